@@ -1,0 +1,162 @@
+"""A portable paged attention in plain torch (CPU and CUDA).
+
+KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V).
+Token t of the flat batch writes its K/V at `slot_mapping[t]` (= block_id * block_size + offset);
+request r reads its keys through its row of the block table.
+
+The kernel is vectorised over the whole batch, with no Python loop over tokens or requests:
+  1. scatter this pass's K/V into the cache (one `index_copy_` each),
+  2. gather every request's keys into a padded `[num_reqs, max_seq_len]` view (one `index_select`),
+  3. scatter the flat queries into a padded `[num_reqs, max_query_len]` view,
+  4. one `scaled_dot_product_attention` with a per-request causal mask,
+  5. gather the real query rows back into the flat token order.
+Steps 2-3 use indices that depend only on the batch, so they are built once per pass in
+`build_attention_metadata` and shared by every layer. A pure-decode pass (every query length 1)
+skips the query scatter entirely. A faster CUDA kernel can replace `paged_attention` behind the
+same metadata later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PagedAttentionMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, E.g. [0, 2, 7, 10]
+    seq_lens: torch.Tensor  # [num_reqs] context + this pass's tokens
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    # Derived once per pass, shared by all layers:
+    kv_slots: torch.Tensor  # [num_reqs, max_seq_len] int64 cache slot per key; padding -> slot 0
+    query_rows: torch.Tensor | None  # [num_tokens] row in the padded [num_reqs*max_query_len]
+    query_pos: torch.Tensor  # [num_reqs, max_query_len] absolute position of each padded query
+    _masks: dict = field(default_factory=dict)  # sliding_window -> bool mask
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """bool [num_reqs, 1, max_query_len, max_seq_len]: key j visible to query i of request r."""
+        m = self._masks.get(sliding_window)
+        if m is None:
+            key_pos = torch.arange(self.max_seq_len, device=self.seq_lens.device)
+            qpos = self.query_pos[:, :, None]  # [R, Q, 1]
+            m = (key_pos <= qpos) & (key_pos < self.seq_lens[:, None, None])
+            if sliding_window is not None:
+                m &= key_pos > qpos - sliding_window
+            m = m[:, None]
+            self._masks[sliding_window] = m
+        return m
+
+
+def build_attention_metadata(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> PagedAttentionMetadata:
+    """Build the per-pass metadata. Tensors must already be on the compute device and cover
+    exactly `num_reqs` requests (`query_start_loc` has num_reqs + 1 entries)."""
+    device = seq_lens.device
+    seq_lens = seq_lens.to(torch.int64)
+    qsl = query_start_loc.to(torch.int64)
+    query_lens = qsl[1:] - qsl[:-1]  # [R]
+    num_tokens = int(slot_mapping.shape[0])
+    if max_query_len is None:
+        max_query_len = int(query_lens.max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+
+    # Cache slot of each key position of each request, through the block table.
+    key_pos = torch.arange(max_seq_len, device=device)
+    blocks = block_table[:, key_pos // block_size].to(torch.int64)  # [R, S]
+    kv_slots = blocks * block_size + key_pos % block_size
+    kv_slots = torch.where(key_pos < seq_lens[:, None], kv_slots, 0)
+
+    context_lens = seq_lens - query_lens  # tokens already in the cache before this pass
+    query_pos = context_lens[:, None] + torch.arange(max_query_len, device=device)  # [R, Q]
+    if max_query_len == 1:
+        query_rows = None  # row r of the padded view is token r: nothing to scatter
+    else:
+        # E.g. query_start_loc [0, 2, 7, 10], max_query_len 5 -> rows [0,1, 5..9, 10,11,12]
+        tok = torch.arange(num_tokens, device=device)
+        req = torch.repeat_interleave(torch.arange(len(query_lens), device=device), query_lens)
+        query_rows = req * max_query_len + (tok - qsl[req])
+    return PagedAttentionMetadata(
+        num_actual_tokens=num_tokens,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        kv_slots=kv_slots,
+        query_rows=query_rows,
+        query_pos=query_pos,
+    )
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """key/value: [num_tokens, num_kv_heads, head_dim] -> their slots in the cache."""
+    _, _, _, h, d = kv_cache.shape
+    kv_cache[0].view(-1, h, d).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, h, d).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """query: [T, H, D]; key/value: [T, Hkv, D] (this pass's tokens). Returns [T, H * D]."""
+    n = meta.num_actual_tokens
+    query, key, value = query[:n], key[:n], value[:n]
+    write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    r, s, q_len = meta.num_reqs, meta.max_seq_len, meta.max_query_len
+    flat_slots = meta.kv_slots.view(-1)
+    # [R, S, Hkv, D] -> [R, Hkv, S, D]
+    k = kv_cache[0].view(-1, num_kv_heads, head_dim).index_select(0, flat_slots)
+    v = kv_cache[1].view(-1, num_kv_heads, head_dim).index_select(0, flat_slots)
+    k = k.view(r, s, num_kv_heads, head_dim).transpose(1, 2)
+    v = v.view(r, s, num_kv_heads, head_dim).transpose(1, 2)
+
+    if meta.query_rows is None:  # pure decode: one query per request, already in row order
+        q = query.view(r, 1, num_heads, head_dim)
+    else:
+        q = query.new_zeros(r * q_len, num_heads, head_dim)
+        q.index_copy_(0, meta.query_rows, query)
+        q = q.view(r, q_len, num_heads, head_dim)
+    q = q.transpose(1, 2).to(k.dtype)  # [R, H, Q, D]
+
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=meta.mask(sliding_window),
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # [R, H, Q, D]
+    out = out.transpose(1, 2).reshape(r * q_len, num_heads * head_dim)
+    if meta.query_rows is not None:
+        out = out.index_select(0, meta.query_rows)
+    return out.to(query.dtype)

@@ -1,0 +1,84 @@
+"""The attention layer models use. It takes q/k/v of the flat batch and nothing about paging:
+block tables and slot mappings come from the forward context, the KV cache is bound by the
+runner (`bind_kv_cache`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from keel.attention.backends.torch_paged import paged_attention
+from keel.attention.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.prefix = prefix
+        # [2, num_blocks, block_size, num_kv_heads, head_size]; set by bind_kv_cache.
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H * D], k/v: [T, Hkv * D] -> [T, H * D]."""
+        if self.kv_cache is None:
+            raise RuntimeError(f"{self.prefix}: no KV cache bound; call bind_kv_cache first.")
+        meta = get_forward_context().attn_metadata
+        t = q.shape[0]
+        return paged_attention(
+            q.view(t, self.num_heads, self.head_size),
+            k.view(t, self.num_kv_heads, self.head_size),
+            v.view(t, self.num_kv_heads, self.head_size),
+            self.kv_cache,
+            meta,
+            self.scale,
+            self.sliding_window,
+        )
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def bind_kv_cache(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    """Give each attention layer (in model order) its own cache tensor."""
+    layers = attention_layers(model)
+    if len(layers) != len(kv_caches):
+        raise ValueError(f"{len(layers)} attention layers but {len(kv_caches)} KV caches.")
+    for layer, cache in zip(layers, kv_caches):
+        layer.kv_cache = cache
+
+
+def allocate_kv_caches(
+    model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, Hkv, D] tensor per attention layer, bound to the model."""
+    caches = [
+        torch.zeros(
+            2, num_blocks, block_size, layer.num_kv_heads, layer.head_size,
+            dtype=dtype, device=device,
+        )
+        for layer in attention_layers(model)
+    ]
+    bind_kv_cache(model, caches)
+    return caches
+
+
+def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(
+        2 * block_size * layer.num_kv_heads * layer.head_size * elem
+        for layer in attention_layers(model)
+    )

@@ -1,0 +1,211 @@
+"""Engine configuration: model, cache, scheduler, parallelism, and the whole (EngineConfig).
+
+Every check here is about something a user typed (a flag, a model folder), so failures raise
+`ValueError` / `FileNotFoundError` with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"Unknown device {device!r}: use 'auto', 'cpu' or 'cuda'.")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here: use 'cpu' or 'auto'.")
+    return torch.device(device)
+
+
+@dataclass
+class ModelConfig:
+    """What to load and how. `model` is a HF folder, a `.gguf` file, or None (default model)."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "auto"
+    # Filled in by __post_init__.
+    model_path: Path = field(init=False)
+    hf_config: Any = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+    torch_device: torch.device = field(init=False)
+
+    def __post_init__(self) -> None:
+        from keel.model_executor.models import resolve_architecture
+
+        self.torch_device = resolve_device(self.device)
+        self.model_path = resolve_model_path(self.model)
+        self.hf_config = load_hf_config(self.model_path)
+        resolve_architecture(self.hf_config)  # fail early on an unsupported architecture
+        self.torch_dtype = self._resolve_dtype()
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
+        elif self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings={limit}: pass a value <= {limit}."
+            )
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            dt = getattr(self.hf_config, "dtype", None) or getattr(
+                self.hf_config, "torch_dtype", None
+            )
+            if isinstance(dt, str):
+                dt = _DTYPES.get(dt, torch.float32)
+            dt = dt or torch.float32
+            if dt == torch.float16 and self.torch_device.type == "cpu":
+                # float16 matmuls are slow and inaccurate on most CPUs; bfloat16 keeps the range.
+                dt = torch.bfloat16
+            return dt
+        if self.dtype not in _DTYPES:
+            raise ValueError(
+                f"Unknown dtype {self.dtype!r}: use one of auto, float32, bfloat16, float16."
+            )
+        return _DTYPES[self.dtype]
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config.architectures[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """None -> the default model; a `.gguf` file -> its cached HF folder; else a HF folder."""
+    from keel.model_executor.gguf_loader import resolve_gguf
+
+    if model is None:
+        from keel.model_executor.default_model import default_model_path
+
+        return resolve_gguf(default_model_path())
+    path = Path(model).expanduser()
+    if str(path).endswith(".gguf"):
+        return resolve_gguf(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"Model {str(model)!r} not found: pass a Hugging Face model folder or a .gguf file "
+            "(keel never downloads weights)."
+        )
+    if not path.is_dir():
+        raise ValueError(f"Model {str(path)!r} is a file but not a .gguf: pass a model folder.")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"Model folder {str(path)!r} has no config.json.")
+    return path
+
+
+def load_hf_config(path: Path) -> Any:
+    """Parse config.json with transformers, which reads both the old (`rope_theta`,
+    `rope_scaling`, `torch_dtype`) and the new (`rope_parameters`, `dtype`) forms."""
+    from transformers import AutoConfig
+
+    try:
+        json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from e
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"Cannot parse {path / 'config.json'}: {e}") from e
+    if not getattr(config, "architectures", None):
+        raise ValueError(f"{path / 'config.json'} has no 'architectures' entry.")
+    return config
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_gib: float | None = None  # None: a modest share of available memory
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int = field(init=False, default=0)  # set by the worker after sizing
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+            raise ValueError(
+                f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}."
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}."
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1].")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048  # copied from ModelConfig by EngineConfig
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}."
+            )
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | type | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    threads: int | None = None  # torch intra-op threads; None: all cores of this process
+
+    def __post_init__(self) -> None:
+        pc = self.parallel_config
+        if pc.distributed_executor_backend is None:
+            # The seed: the default is decided here, not in Executor.get_class.
+            pc.distributed_executor_backend = "uni" if pc.world_size == 1 else "mp"
+        sc, cc = self.scheduler_config, self.cache_config
+        sc.max_model_len = self.model_config.max_model_len
+        if sc.max_num_batched_tokens < cc.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens={sc.max_num_batched_tokens} is smaller than one block "
+                f"(block_size={cc.block_size}): raise it or lower block_size."
+            )
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}.")

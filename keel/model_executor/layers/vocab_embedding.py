@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from keel.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from keel.model_executor.layers.linear import default_weight_loader
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split across ranks (rank r holds a contiguous slice)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=None) -> None:
+        super().__init__()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.num_embeddings = num_embeddings
+        self.shard = -(-num_embeddings // self.tp_size)
+        self.start = self.tp_rank * self.shard
+        self.weight = nn.Parameter(torch.empty(self.shard, embedding_dim, dtype=dtype), False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self.tp_size > 1:
+            loaded = loaded[self.start : self.start + self.shard]
+        default_weight_loader(param, loaded, "embedding")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mask = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        return tensor_model_parallel_all_reduce(out.masked_fill(mask[:, None], 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The vocabulary projection. Shares its weight with the embedding when tied."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] (only the rows to be sampled) -> [n, vocab] in float32."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits)
+        return logits[:, : self.num_embeddings].float()

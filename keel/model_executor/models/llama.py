@@ -1,0 +1,227 @@
+"""Llama-family decoder: Llama, Mistral, Qwen2, Qwen3 differ only in what config.json says
+(and in two switches: Qwen2's qkv bias, Qwen3's per-head q/k RMSNorm).
+
+`forward(input_ids[T], positions[T]) -> hidden[T, hidden]` on the flat batch the runner built;
+`compute_logits(hidden[n]) -> [n, vocab]` on the rows it selects. Paging metadata is read by the
+attention layers from the forward context, never passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from keel.attention.layer import Attention
+from keel.model_executor.layers.layernorm import RMSNorm
+from keel.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from keel.model_executor.layers.rotary_embedding import RotaryEmbedding
+from keel.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from keel.model_executor.weight_errors import WeightLoadError
+
+
+def _sliding_window(config: Any, layer_idx: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:  # Qwen2/Qwen3: per-layer choice
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window  # Mistral: all layers when set
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, dtype) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.total_heads = config.num_attention_heads
+        self.total_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.total_heads
+        o_bias = getattr(config, "attention_bias", False) and not qkv_bias
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, self.total_heads, self.total_kv_heads,
+            bias=qkv_bias or getattr(config, "attention_bias", False), dtype=dtype,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            self.total_heads * self.head_dim, hidden, bias=o_bias, dtype=dtype
+        )
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
+            sliding_window=_sliding_window(config, layer_idx), prefix=f"layers.{layer_idx}",
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, dtype) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=bias, dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, dtype):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, qk_norm, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, dtype)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+    # (merged param, HF name, shard id)
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)  # [n, vocab] float32
+
+    def expected_weights(self) -> set[str]:
+        """Every (param, shard) that a complete checkpoint must provide, in HF names."""
+        out = set()
+        merged = {}
+        for merged_name, hf_name, _ in self.stacked_params_mapping:
+            merged.setdefault(merged_name, []).append(hf_name)
+        for name, _ in self.named_parameters():
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            for merged_name, hf_names in merged.items():
+                if f".{merged_name}." in name:
+                    out.update(name.replace(merged_name, h) for h in hf_names)
+                    break
+            else:
+                out.add(name)
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into keel's (merged) parameters. Returns the HF names loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # a cache some old checkpoints saved; recomputed from config
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # tied: the embedding is the projection
+            for merged_name, hf_name, shard_id in self.stacked_params_mapping:
+                if f".{hf_name}." not in name:
+                    continue
+                target = name.replace(hf_name, merged_name)
+                if target not in params:
+                    break
+                param = params[target]
+                self._load(param, tensor, name, shard_id)
+                break
+            else:
+                if name not in params:
+                    raise WeightLoadError(
+                        f"Unexpected tensor {name!r} in the checkpoint: {type(self).__name__} "
+                        f"with this config.json has no such parameter."
+                    )
+                self._load(params[name], tensor, name, None)
+            loaded.add(name)
+        return loaded
+
+    @staticmethod
+    def _load(param: nn.Parameter, tensor: torch.Tensor, name: str, shard_id) -> None:
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is None:
+                default_weight_loader(param, tensor, name)
+            elif shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise WeightLoadError(f"Tensor {name!r}: {e}") from e
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass  # sliding_window comes from config.json
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -19,3 +19,25 @@ def configure_threads(threads: int | None) -> int:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_obj_by_qualname(qualname: str):
+    """'package.module.Name' -> the object."""
+    import importlib
+
+    module_name, _, obj_name = qualname.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{qualname!r} is not a qualified name like 'package.module.Class'.")
+    return getattr(importlib.import_module(module_name), obj_name)

@@ -1,0 +1,225 @@
+"""Scheduler: continuous batching as vLLM v1 does it.
+
+No prefill or decode phases: every step has one token budget (`max_num_batched_tokens`).
+Running requests are served first (a decode needs one token, a chunked prefill the rest of its
+prompt, up to the budget), then waiting ones, while the budget, `max_num_seqs` and the KV cache
+allow. A long prompt is spread over several steps (chunked prefill) and shares them with
+decodes. When blocks run out, the lowest-priority running request is preempted by recompute:
+its blocks are freed, its computed tokens reset to 0, and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from keel.config import CacheConfig, SchedulerConfig
+from keel.core.kv_cache_manager import KVCacheManager
+from keel.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from keel.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
+from keel.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished since the last schedule(): sent to the runner in the next SchedulerOutput.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0  # total, for metrics and tests
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:
+        """Finish requests from outside the loop (aborts). Unknown or finished ids are ignored."""
+        assert RequestStatus.is_finished(finished_status)
+        for req_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_requests(self) -> bool:
+        # Finished ids still to be sent count: the runner must see them to clean its batch.
+        return self.has_unfinished_requests() or bool(self.finished_req_ids)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        preempted = False
+
+        # 1. Running requests first, in arrival order.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            while True:
+                blocks = kv.allocate_slots(request, num_new_tokens)
+                if blocks is not None:
+                    break
+                # Out of blocks: preempt the lowest-priority (latest) running request. Victims
+                # come from the unvisited tail, so nothing scheduled this step is undone.
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if blocks is None:
+                break
+            scheduled_running.append(request)
+            new_blocks[request.request_id] = blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. Waiting requests (new, or resumed after preemption), unless we just preempted.
+        while self.waiting and token_budget > 0 and not preempted and not throttle_prefills:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            blocks = kv.allocate_slots(request, num_new_tokens)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            if request.status == RequestStatus.PREEMPTED:
+                scheduled_resumed.append(request)
+            else:
+                scheduled_new.append(request)
+            request.status = RequestStatus.RUNNING
+            new_blocks[request.request_id] = blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        cached = CachedRequestData()
+        for request, resumed in (*((r, False) for r in scheduled_running),
+                                 *((r, True) for r in scheduled_resumed)):
+            rid = request.request_id
+            cached.req_ids.append(rid)
+            if resumed:
+                cached.resumed_req_ids.add(rid)
+                cached.new_block_ids.append((list(kv.get_block_ids(rid)),))
+            else:
+                cached.new_block_ids.append((new_blocks[rid],) if new_blocks[rid] else None)
+            cached.new_token_ids.append([])  # the runner sampled them itself (single rank)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(
+                    req_id=r.request_id,
+                    prompt_token_ids=r.prompt_token_ids,
+                    sampling_params=r.sampling_params,
+                    block_ids=(list(kv.get_block_ids(r.request_id)),),
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+                for r in scheduled_new
+            ],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        # The runner got the pre-step counts above; from here on they include this step.
+        for request in (*scheduled_running, *scheduled_new, *scheduled_resumed):
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        return None  # structured outputs are not implemented yet
+
+    # ---- after the step ---------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        sampled = model_runner_output.sampled_token_ids
+        index_of = model_runner_output.req_id_to_index
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            row = index_of.get(req_id)
+            if request is None or row is None or not sampled[row]:
+                continue  # aborted during the step, or still prefilling (row discarded)
+            new_token_ids = sampled[row]
+            for i, token in enumerate(new_token_ids):
+                request.output_token_ids.append(token)
+                if self._check_stop(request):
+                    new_token_ids = new_token_ids[: i + 1]
+                    stopped.append(request)
+                    break
+            outputs.append(EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_token_ids,
+                finish_reason=request.get_finished_reason(),
+                stop_reason=request.stop_reason,
+                num_preemptions=request.num_preemptions,
+            ))
+        if stopped:
+            stopped_ids = {r.request_id for r in stopped}
+            self.running = [r for r in self.running if r.request_id not in stopped_ids]
+            for request in stopped:
+                self._free_request(request)
+        return {0: EngineCoreOutputs(outputs, {r.request_id for r in stopped})}
+
+    def _check_stop(self, request: Request) -> bool:
+        sp = request.sampling_params
+        last = request.output_token_ids[-1]
+        if not sp.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif last in sp.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+        elif (len(request.output_token_ids) >= request.max_tokens
+              or request.num_tokens >= self.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        else:
+            return False
+        return True

@@ -1,0 +1,82 @@
+"""Turns a user's prompt + SamplingParams into a scheduler Request, or a clear error.
+
+Everything a user can get wrong about one request is caught here, before the request reaches
+the engine, so a bad request costs nothing to the others."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from keel.config import EngineConfig
+from keel.request import Request
+from keel.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+        self.max_model_len = config.model_config.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        if eos is None:
+            eos = getattr(config.model_config.hf_config, "eos_token_id", None)
+            if isinstance(eos, list):
+                eos = eos[0] if eos else None
+        self.eos_token_id = eos
+
+    def prompt_token_ids(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("The prompt is empty: pass at least one character or token.")
+            if self.tokenizer is None:
+                raise ValueError("This model has no tokenizer: pass {'prompt_token_ids': [...]}.")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers.")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError(
+            f"A prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}."
+        )
+
+    def process(
+        self, request_id: str, prompt: str | dict, params: SamplingParams
+    ) -> tuple[Request, str | None]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self.prompt_token_ids(prompt)
+        n = len(ids)
+        if n == 0:
+            raise ValueError("The prompt is empty (no tokens): pass at least one token.")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"Token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})."
+            )
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"The prompt ({n} tokens) is too long for max_model_len={self.max_model_len}: "
+                f"shorten it to at most {self.max_model_len - 1} tokens or raise max_model_len."
+            )
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - n
+        elif n + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={max_tokens} cannot fit: the prompt has {n} tokens and "
+                f"max_model_len={self.max_model_len}, so max_tokens must be <= "
+                f"{self.max_model_len - n}."
+            )
+        for t in params.stop_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop_token_ids contains {t}, outside [0, {self.vocab_size}).")
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            max_tokens=max_tokens,
+            arrival_time=time.monotonic(),
+        ), text

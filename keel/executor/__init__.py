@@ -1,0 +1,3 @@
+from keel.executor.abstract import Executor
+
+__all__ = ["Executor"]

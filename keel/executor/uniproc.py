@@ -1,0 +1,67 @@
+"""UniProcExecutor: a function call wearing an RPC's clothes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from keel.executor.abstract import Executor
+from keel.worker.worker import Worker
+
+
+def run_method(obj: Any, method: str | Callable, args: tuple, kwargs: dict) -> Any:
+    """Call `method` on `obj`: by name if a string, else as a function taking obj first."""
+    if isinstance(method, str):
+        func = getattr(obj, method)
+        return func(*args, **kwargs)
+    return method(obj, *args, **kwargs)
+
+
+class UniProcExecutor(Executor):
+    def _init_executor(self) -> None:
+        self.driver_worker = Worker(self.config, local_rank=0, rank=0, is_driver_worker=True)
+        self.collective_rpc("init_device")
+        self.collective_rpc("load_model")
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        non_block: bool = False,
+        single_value: bool = False,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+
+        if not non_block:
+            result = run_method(self.driver_worker, method, args, kwargs)
+            return result if single_value else [result]
+
+        # Already done by the time the future exists; an exception goes into the future so
+        # that future.result() raises in the engine loop, where a worker process's would.
+        try:
+            result = run_method(self.driver_worker, method, args, kwargs)
+            future = Future[Any]()
+            future.set_result(result if single_value else [result])
+        except Exception as e:
+            future = Future[Any]()
+            future.set_exception(e)
+        return future
+
+    def shutdown(self) -> None:
+        if getattr(self, "driver_worker", None) is not None:
+            self.driver_worker.shutdown()
+
+
+class ExecutorWithExternalLauncher(UniProcExecutor):
+    """One process per rank started by an outside launcher (torchrun); needs the distributed
+    groups of the tensor/pipeline-parallel issue."""
+
+    def _init_executor(self) -> None:
+        raise NotImplementedError(
+            "distributed_executor_backend='external_launcher' needs tensor/pipeline "
+            "parallelism, which keel does not have yet; use 'uni'."
+        )

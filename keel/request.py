@@ -1,0 +1,63 @@
+"""The scheduler's view of a request."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from keel.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Finished states (> PREEMPTED):
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: "RequestStatus") -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(status)
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    max_tokens: int = 16  # sampling_params.max_tokens, or what max_model_len leaves
+    arrival_time: float = 0.0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)

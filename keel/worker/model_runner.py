@@ -9,6 +9,7 @@ One pass is two calls (the seed's steps 4-5):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -332,9 +333,15 @@ class ModelRunner:
 
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        sampled = self.sampler(state.logits, batch.sampling_metadata)  # [num_reqs]
-        sampled_np = sampled.cpu().numpy()
         discard = self.discard_request_mask.np[:num_reqs]
+        meta = batch.sampling_metadata
+        if meta.generators and discard.any():
+            # A seeded request's generator must only advance for tokens it keeps, or its
+            # output would depend on how its prompt was chunked (or whether it was preempted).
+            kept = {row: g for row, g in meta.generators.items() if not discard[row]}
+            meta = dataclasses.replace(meta, generators=kept)
+        sampled = self.sampler(state.logits, meta)  # [num_reqs]
+        sampled_np = sampled.cpu().numpy()
         kept_rows = np.flatnonzero(~discard)
         batch.append_sampled_tokens(kept_rows, sampled_np[kept_rows])
 

@@ -116,3 +116,15 @@ def test_stop_conditions(hf_model_dir, reference):
     out = llm.generate({"prompt_token_ids": prompts[0]},
                        SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == expected[0][:4] and out.finish_reason == "length"
+
+
+def test_seeded_sampling_independent_of_chunking(hf_model_dir):
+    """A seeded request gives the same tokens whether its prompt is prefilled in one pass or
+    in chunks (discarded rows must not advance its generator)."""
+    folder = hf_model_dir("llama")
+    prompt = {"prompt_token_ids": random_prompt(40, seed=9)}
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    whole = LLM(folder, dtype="float32").generate(prompt, params, use_tqdm=False)
+    chunked = LLM(folder, dtype="float32", max_num_batched_tokens=16).generate(
+        prompt, params, use_tqdm=False)
+    assert whole[0].outputs[0].token_ids == chunked[0].outputs[0].token_ids

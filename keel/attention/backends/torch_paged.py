@@ -6,7 +6,8 @@ request r reads its keys through its row of the block table.
 
 The kernel is vectorised over the whole batch, with no Python loop over tokens or requests:
   1. scatter this pass's K/V into the cache (one `index_copy_` each),
-  2. gather every request's keys into a padded `[num_reqs, max_seq_len]` view (one `index_select`),
+  2. gather every request's blocks into a padded `[num_reqs, kv_len]` view (one `index_select`
+     over whole blocks, kv_len = max_seq_len rounded up to a block),
   3. scatter the flat queries into a padded `[num_reqs, max_query_len]` view,
   4. one `scaled_dot_product_attention` with a per-request causal mask,
   5. gather the real query rows back into the flat token order.
@@ -34,7 +35,8 @@ class PagedAttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64
     # Derived once per pass, shared by all layers:
-    kv_slots: torch.Tensor  # [num_reqs, max_seq_len] int64 cache slot per key; padding -> slot 0
+    kv_blocks: torch.Tensor  # [num_reqs, kv_len // block_size] int64 block ids to gather
+    kv_len: int  # padded key length: max_seq_len rounded up to whole blocks
     query_rows: torch.Tensor | None  # [num_tokens] row in the padded [num_reqs*max_query_len]
     query_pos: torch.Tensor  # [num_reqs, max_query_len] absolute position of each padded query
     _masks: dict = field(default_factory=dict)  # sliding_window -> bool mask
@@ -44,10 +46,10 @@ class PagedAttentionMetadata:
         return self.seq_lens.shape[0]
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """bool [num_reqs, 1, max_query_len, max_seq_len]: key j visible to query i of request r."""
+        """bool [num_reqs, 1, max_query_len, kv_len]: key j visible to query i of request r."""
         m = self._masks.get(sliding_window)
         if m is None:
-            key_pos = torch.arange(self.max_seq_len, device=self.seq_lens.device)
+            key_pos = torch.arange(self.kv_len, device=self.seq_lens.device)
             qpos = self.query_pos[:, :, None]  # [R, Q, 1]
             m = (key_pos <= qpos) & (key_pos < self.seq_lens[:, None, None])
             if sliding_window is not None:
@@ -78,11 +80,10 @@ def build_attention_metadata(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
 
-    # Cache slot of each key position of each request, through the block table.
-    key_pos = torch.arange(max_seq_len, device=device)
-    blocks = block_table[:, key_pos // block_size].to(torch.int64)  # [R, S]
-    kv_slots = blocks * block_size + key_pos % block_size
-    kv_slots = torch.where(key_pos < seq_lens[:, None], kv_slots, 0)
+    # The blocks that hold each request's keys. Entries past a request's own blocks are stale
+    # but valid block ids; the mask hides what they hold.
+    num_kv_blocks = -(-max_seq_len // block_size)
+    kv_blocks = block_table[:, :num_kv_blocks].to(torch.int64)
 
     context_lens = seq_lens - query_lens  # tokens already in the cache before this pass
     query_pos = context_lens[:, None] + torch.arange(max_query_len, device=device)  # [R, Q]
@@ -101,7 +102,8 @@ def build_attention_metadata(
         seq_lens=seq_lens,
         block_table=block_table,
         slot_mapping=slot_mapping,
-        kv_slots=kv_slots,
+        kv_blocks=kv_blocks,
+        kv_len=num_kv_blocks * block_size,
         query_rows=query_rows,
         query_pos=query_pos,
     )
@@ -132,11 +134,11 @@ def paged_attention(
 
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
-    r, s, q_len = meta.num_reqs, meta.max_seq_len, meta.max_query_len
-    flat_slots = meta.kv_slots.view(-1)
-    # [R, S, Hkv, D] -> [R, Hkv, S, D]
-    k = kv_cache[0].view(-1, num_kv_heads, head_dim).index_select(0, flat_slots)
-    v = kv_cache[1].view(-1, num_kv_heads, head_dim).index_select(0, flat_slots)
+    r, s, q_len = meta.num_reqs, meta.kv_len, meta.max_query_len
+    blocks = meta.kv_blocks.view(-1)
+    # [R * NB, block_size, Hkv, D] -> [R, S, Hkv, D] -> [R, Hkv, S, D]
+    k = kv_cache[0].index_select(0, blocks)
+    v = kv_cache[1].index_select(0, blocks)
     k = k.view(r, s, num_kv_heads, head_dim).transpose(1, 2)
     v = v.view(r, s, num_kv_heads, head_dim).transpose(1, 2)
 

@@ -8,13 +8,15 @@ import torch
 
 
 def configure_threads(threads: int | None) -> int:
-    """Pick torch's intra-op thread count deliberately.
+    """Pick torch's intra-op thread count deliberately: `threads`, or the cores this process
+    may run on (torch's own guess counts cores the process cannot use).
 
-    On a 2-core machine two processes that both spin OpenMP threads slow each other down ~40x,
-    so keel uses passive OpenMP waiting for processes it starts and takes `threads` (default:
-    the cores this process may run on) instead of torch's guess.
+    OpenMP's wait policy is read when torch loads, so it cannot be changed here. For the engine
+    process itself spinning (the default) is right: with OMP_WAIT_POLICY=PASSIVE every small
+    parallel op pays a thread wake-up (~50 us instead of ~5 us for a [64, 576] add, measured
+    here). PASSIVE is for *additional* processes that share the cores (worker processes keel
+    starts, test runs): two spinning processes on 2 cores slow each other down ~40x.
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     n = threads or len(os.sched_getaffinity(0))
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)

@@ -13,8 +13,9 @@ The kernel is vectorised over the whole batch, with no Python loop over tokens o
   5. gather the real query rows back into the flat token order.
 Steps 2-3 use indices that depend only on the batch, so they are built once per pass in
 `build_attention_metadata` and shared by every layer. A pure-decode pass (every query length 1)
-skips the query scatter entirely. A faster CUDA kernel can replace `paged_attention` behind the
-same metadata later.
+skips the query scatter entirely and, on the CPU, goes to keel's compiled decode kernel
+(`cpu_kernel.py`), which reads K/V through the block table without the gathered copy. A
+faster CUDA kernel can take the same place later.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from keel.attention.backends.cpu_kernel import get_kernel
 
 
 @dataclass(slots=True)
@@ -134,6 +137,12 @@ def paged_attention(
 
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
+    if meta.query_rows is None and kv_cache.device.type == "cpu":
+        kernel = get_kernel()  # pure decode on the CPU: read K/V in place, no gathered copy
+        if kernel is not None:
+            out = kernel.paged_decode(query, kv_cache[0], kv_cache[1], meta.block_table,
+                                      meta.seq_lens, scale, sliding_window or 0)
+            return out.view(n, num_heads * head_dim)
     r, s, q_len = meta.num_reqs, meta.kv_len, meta.max_query_len
     blocks = meta.kv_blocks.view(-1)
     # [R * NB, block_size, Hkv, D] -> [R, S, Hkv, D] -> [R, Hkv, S, D]

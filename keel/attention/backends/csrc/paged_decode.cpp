@@ -1,0 +1,143 @@
+// Paged attention for decode rows (one query token per request) on the CPU.
+//
+// Reads each request's keys and values straight from its KV blocks through the block table:
+// no gathered copy of the context, one pass over K (scores) and one over V (weighted sum).
+// Work is split over (request, kv head) pairs with at::parallel_for (torch's own threads); the
+// G = num_heads / num_kv_heads query heads of a group share every key and value they read.
+//
+//   query        [R, H, D]                 this pass's query of each request
+//   key_cache    [num_blocks, block_size, Hkv, D]
+//   value_cache  [num_blocks, block_size, Hkv, D]
+//   block_table  [R, max_blocks] int32
+//   seq_lens     [R] int64                 keys visible to request r: [start, seq_lens[r])
+//   returns      [R, H, D]
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// 16 floats as one value: GCC/Clang lower it to AVX-512, AVX2 or SSE as the machine allows.
+typedef float v16 __attribute__((vector_size(64)));
+
+template <typename T>
+inline v16 load16(const T* p) {
+  v16 v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof(v));
+  } else {
+    for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  }
+  return v;
+}
+
+inline float hsum(v16 v) {  // tree reduction: 4 shuffles + adds instead of 15 scalar adds
+  v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v = v + __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v = v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  v16 acc = {0};
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) acc += load16(q + i) * load16(k + i);
+  float s = hsum(acc);
+  for (; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+template <typename T>
+void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& block_table,
+                   const at::Tensor& seq_lens, at::Tensor& out, double scale,
+                   int64_t sliding_window) {
+  const int64_t R = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
+  const int64_t G = H / Hkv, max_blocks = block_table.size(1);
+  const T* q_ptr = query.data_ptr<T>();
+  const T* k_ptr = key_cache.data_ptr<T>();
+  const T* v_ptr = value_cache.data_ptr<T>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t tok_stride = Hkv * D;  // between consecutive tokens of a block
+
+  at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / Hkv, hk = item % Hkv;
+      const int64_t len = sl[r];
+      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t n = len - start;
+      if (n <= 0) continue;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = static_cast<float>(q_ptr[(r * H + hk * G + g) * D + d]) * scale;
+
+      // Scores: [G, n]
+      scores.assign(G * n, 0.f);
+      for (int64_t j = start; j < len; ++j) {
+        const int64_t blk = bt[r * max_blocks + j / bs];
+        const T* k = k_ptr + (blk * bs + j % bs) * tok_stride + hk * D;
+        for (int64_t g = 0; g < G; ++g) scores[g * n + (j - start)] = dot(&qf[g * D], k, D);
+      }
+      // Softmax per query head (max subtracted for stability).
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = &scores[g * n];
+        const float m = *std::max_element(s, s + n);
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          s[j] = std::exp(s[j] - m);
+          sum += s[j];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+      }
+      // Weighted sum of values: [G, D]
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = start; j < len; ++j) {
+        const int64_t blk = bt[r * max_blocks + j / bs];
+        const T* v = v_ptr + (blk * bs + j % bs) * tok_stride + hk * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * n + (j - start)];
+          float* __restrict a = &acc[g * D];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          o_ptr[(r * H + hk * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                        at::Tensor block_table, at::Tensor seq_lens, double scale,
+                        int64_t sliding_window) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "paged_decode: bad ranks");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "paged_decode: dtype mismatch");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "paged_decode: heads % kv_heads != 0");
+  query = query.contiguous();
+  block_table = block_table.to(at::kInt).contiguous();
+  seq_lens = seq_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "paged_decode: KV cache must be contiguous");
+  auto out = at::empty_like(query);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),
+                                  "paged_decode", [&] {
+    decode_kernel<scalar_t>(query, key_cache, value_cache, block_table, seq_lens, out, scale,
+                            sliding_window);
+  });
+  return out;
+}

@@ -1,0 +1,89 @@
+"""The paged attention paths against a plain dense reference: the portable torch path for
+mixed batches, and keel's compiled CPU decode kernel for decode rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from keel.attention.backends import torch_paged
+from keel.attention.backends.cpu_kernel import get_kernel
+from keel.attention.backends.torch_paged import build_attention_metadata, paged_attention
+
+
+def dense_reference(q_seqs, k_seqs, v_seqs, q_lens, scale, window):
+    """Per request: causal attention of its last q_len queries over its whole context."""
+    outs = []
+    for q, k, v, ql in zip(q_seqs, k_seqs, v_seqs, q_lens):
+        s = k.shape[0]
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, 1)
+        v = v.repeat_interleave(group, 1)
+        qpos = torch.arange(s - ql, s)[:, None]
+        kpos = torch.arange(s)[None]
+        mask = kpos <= qpos
+        if window:
+            mask &= kpos > qpos - window
+        att = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", att, v.float()).reshape(ql, -1))
+    return torch.cat(outs)
+
+
+def run_case(seq_lens, q_lens, heads, kv_heads, head_dim, dtype, window, block_size=4):
+    g = torch.Generator().manual_seed(0)
+    num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 3
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    # Scatter the blocks (shuffled) so the block table matters.
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(math.ceil(s / block_size) for s in seq_lens)
+    block_table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    q_seqs, k_seqs, v_seqs, slots, new_k, new_v = [], [], [], [], [], []
+    for r, (s, ql) in enumerate(zip(seq_lens, q_lens)):
+        nb = math.ceil(s / block_size)
+        blocks = [perm.pop() for _ in range(nb)]
+        block_table[r, :nb] = torch.tensor(blocks)
+        k = torch.randn(s, kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(s, kv_heads, head_dim, generator=g).to(dtype)
+        q_seqs.append(torch.randn(ql, heads, head_dim, generator=g).to(dtype))
+        k_seqs.append(k)
+        v_seqs.append(v)
+        for p in range(s):
+            slot = blocks[p // block_size] * block_size + p % block_size
+            if p < s - ql:  # context already in the cache
+                cache[0].view(-1, kv_heads, head_dim)[slot] = k[p]
+                cache[1].view(-1, kv_heads, head_dim)[slot] = v[p]
+            else:  # written by this pass
+                slots.append(slot)
+                new_k.append(k[p])
+                new_v.append(v[p])
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = build_attention_metadata(qsl, torch.tensor(seq_lens), block_table,
+                                    torch.tensor(slots), block_size)
+    scale = head_dim**-0.5
+    out = paged_attention(torch.cat(q_seqs), torch.stack(new_k), torch.stack(new_v), cache,
+                          meta, scale, window)
+    ref = dense_reference(q_seqs, k_seqs, v_seqs, q_lens, scale, window)
+    return out.float(), ref
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 32), (4, 4, 48), (9, 3, 64)])
+def test_mixed_batch_torch_path(heads, kv_heads, head_dim, window):
+    out, ref = run_case([9, 17, 4, 30], [9, 6, 1, 1], heads, kv_heads, head_dim,
+                        torch.float32, window)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_decode_rows(monkeypatch, use_kernel, window, dtype, tol):
+    if use_kernel:
+        assert get_kernel() is not None, "the CPU kernel must build on this machine"
+    else:
+        monkeypatch.setattr(torch_paged, "get_kernel", lambda: None)
+    out, ref = run_case([1, 13, 40, 64, 5], [1] * 5, 8, 2, 40, dtype, window)
+    assert (out - ref).abs().max().item() < tol

@@ -23,9 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Before torch starts its OpenMP runtime: on a shared machine spinning threads fight (see README).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+# OpenMP's default (spinning) wait policy: one process runs here, as a user's would. Run
+# nothing else heavy at the same time.
 import torch
 import transformers
 

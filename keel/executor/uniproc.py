@@ -20,6 +20,13 @@ def run_method(obj: Any, method: str | Callable, args: tuple, kwargs: dict) -> A
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
+        world_size = self.config.parallel_config.world_size
+        if world_size != 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one worker, but tensor x pipeline "
+                f"parallel size is {world_size}: use world size 1 (multi-worker executors are "
+                "not implemented yet)."
+            )
         self.driver_worker = Worker(self.config, local_rank=0, rank=0, is_driver_worker=True)
         self.collective_rpc("init_device")
         self.collective_rpc("load_model")

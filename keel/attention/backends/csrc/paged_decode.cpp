@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -25,11 +26,20 @@ namespace {
 // 16 floats as one value: GCC/Clang lower it to AVX-512, AVX2 or SSE as the machine allows.
 typedef float v16 __attribute__((vector_size(64)));
 
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
 template <typename T>
 inline v16 load16(const T* p) {
   v16 v;
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(&v, p, sizeof(v));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // bfloat16 is the top half of a float32: widen and shift, 16 at a time.
+    u16x16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    std::memcpy(&v, &w, sizeof(v));
   } else {
     for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
   }
@@ -108,9 +118,13 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
         const T* v = v_ptr + (blk * bs + j % bs) * tok_stride + hk * D;
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * n + (j - start)];
-          float* __restrict a = &acc[g * D];
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+          float* a = &acc[g * D];
+          int64_t d = 0;
+          for (; d + 16 <= D; d += 16) {
+            const v16 sum = load16(a + d) + p * load16(v + d);
+            std::memcpy(a + d, &sum, sizeof(sum));
+          }
+          for (; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
         }
       }
       for (int64_t g = 0; g < G; ++g)

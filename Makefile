@@ -1,7 +1,7 @@
 VENV ?= .venv
 PROMPT ?= "The capital of France is"
 
-.PHONY: install run test
+.PHONY: install run test lint
 
 $(VENV)/.keel-installed: pyproject.toml scripts/install.sh
 	VENV=$(VENV) bash scripts/install.sh
@@ -12,5 +12,9 @@ install: $(VENV)/.keel-installed
 run: install
 	$(VENV)/bin/keel generate --max-tokens 48 $(PROMPT)
 
-test: install
-	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q tests
+lint: install
+	$(VENV)/bin/ruff check keel tests benchmarks
+
+# One torch process at a time: the suite starts no second one (see README on threads).
+test: install lint
+	$(VENV)/bin/python -m pytest -q tests

@@ -28,7 +28,6 @@ import time
 import zlib
 from pathlib import Path
 
-
 import numpy as np
 import torch
 

@@ -7,7 +7,7 @@ from keel.engine.llm import LLM
 from keel.outputs import CompletionOutput, RequestOutput
 from keel.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 # Like vLLM, keel prints its own start-up information (KV cache size, ...) unless told not to.

@@ -18,11 +18,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def finish_reason(status: "RequestStatus") -> str | None:
+    def finish_reason(status: RequestStatus) -> str | None:
         return {
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH_CAPPED: "length",

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-# Two cores: keep torch from oversubscribing them when tests spawn anything.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import pytest
 import torch
 

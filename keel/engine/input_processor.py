@@ -45,7 +45,7 @@ class InputProcessor:
         self, request_id: str, prompt: str | dict, params: SamplingParams
     ) -> tuple[Request, str | None]:
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.prompt_token_ids(prompt)
         n = len(ids)
         if n == 0:

@@ -16,7 +16,7 @@ from keel.utils import resolve_obj_by_qualname
 
 class Executor(ABC):
     @staticmethod
-    def get_class(config: EngineConfig) -> type["Executor"]:
+    def get_class(config: EngineConfig) -> type[Executor]:
         executor_class: type[Executor]
         parallel_config = config.parallel_config
         # The default ("uni" at world size 1, else "mp") is set in EngineConfig.__post_init__.

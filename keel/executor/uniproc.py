@@ -53,7 +53,7 @@ class UniProcExecutor(Executor):
             result = run_method(self.driver_worker, method, args, kwargs)
             future = Future[Any]()
             future.set_result(result if single_value else [result])
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - every failure must surface at future.result()
             future = Future[Any]()
             future.set_exception(e)
         return future

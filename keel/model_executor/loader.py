@@ -61,7 +61,7 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
             try:
                 with safe_open(str(f), framework="pt") as sf:
-                    for name in sf.keys():
+                    for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
                         yield name, sf.get_tensor(name)
             except SafetensorError as e:
                 raise WeightLoadError(f"Cannot read {f}: {e}") from e

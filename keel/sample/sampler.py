@@ -35,20 +35,34 @@ def apply_top_k_top_p(
 
 
 class Sampler:
+    def __init__(self, max_num_reqs: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self._noise: torch.Tensor | None = None  # [max_num_reqs, vocab], made on first use
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logits: [num_reqs, vocab] float32 -> token ids [num_reqs] int64."""
+        """logits: [num_reqs, vocab] float32, consumed (modified in place) -> token ids
+        [num_reqs] int64."""
         greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
             return greedy
         temperature = meta.temperature
         # Greedy rows get temperature 1 here (any value works: their result is overridden).
         t = torch.where(temperature < _GREEDY_EPS, 1.0, temperature)
-        logits = apply_top_k_top_p(logits / t.unsqueeze(1), meta.top_k, meta.top_p)
+        logits = apply_top_k_top_p(logits.div_(t.unsqueeze(1)), meta.top_k, meta.top_p)
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = self._noise_buffer(probs)
+        noise.exponential_()
         for row, gen in meta.generators.items():
             noise[row].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = probs.div_(noise).argmax(dim=-1)
         if meta.all_random:
             return sampled
         return torch.where(temperature < _GREEDY_EPS, greedy, sampled)
+
+    def _noise_buffer(self, probs: torch.Tensor) -> torch.Tensor:
+        """A [num_reqs, vocab] view of a buffer allocated once for the largest batch."""
+        n, vocab = probs.shape
+        if self._noise is None or self._noise.shape[1] != vocab:
+            self._noise = torch.empty(self.max_num_reqs, vocab, dtype=probs.dtype,
+                                      device=probs.device)
+        return self._noise[:n]

@@ -61,7 +61,7 @@ class ModelRunner:
             self.max_num_reqs, self.max_model_len, self.max_num_tokens, self.block_size, device
         )
         self.execute_model_state: ExecuteModelState | None = None
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.max_num_reqs)
 
         # Buffers sized once for the largest pass; each pass overwrites a prefix.
         n_tok, n_req = self.max_num_tokens, self.max_num_reqs
@@ -174,13 +174,15 @@ class ModelRunner:
         self.input_batch.condense()
         self._may_reorder_batch(scheduler_output)
         self.input_batch.refresh_metadata()
-        return None  # no deferred corrections without async speculative decoding
+        # The seed returns deferred state corrections (async speculative decoding); keel has
+        # none, so the caller gets None.
+        return None
 
     def _may_reorder_batch(self, scheduler_output: SchedulerOutput) -> None:
         """Let the attention backend reorder rows. The torch backend takes any order (it pads
         queries per request), so it keeps the condensed order; a backend that wants decodes
         grouped first would call `input_batch.swap_states` here."""
-        return None
+        return
 
     # ---- step 3: the layout -----------------------------------------------------------------
 

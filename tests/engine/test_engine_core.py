@@ -146,6 +146,7 @@ def test_abort_frees_blocks_and_the_runner_drops_the_request(idle_core, monkeypa
     assert "a" in runner.requests  # the runner learns on the next pass, not before
 
     out, busy = core.step()
+    assert busy
     assert sent[-1].finished_req_ids == {"a"}
     assert "a" not in sent[-1].num_scheduled_tokens
     assert "a" not in runner.requests and "a" not in runner.input_batch.req_id_to_index

@@ -150,7 +150,6 @@ class FakeWorker:
 
     def execute_model(self, scheduler_output):
         self.calls.append(("execute_model", scheduler_output))
-        return None
 
     def sample_tokens(self, grammar_output):
         self.calls.append(("sample_tokens", grammar_output))

@@ -47,7 +47,7 @@ def get_kernel() -> Any | None:
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-    except Exception as e:  # no compiler, no ninja, a build error: keep the torch path
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: torch path
         logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path.", e)
         _module = None
     return _module

@@ -9,7 +9,7 @@ attention layers from the forward context, never passed in.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
     # (merged param, HF name, shard id)
-    stacked_params_mapping = [
+    stacked_params_mapping: ClassVar[list[tuple[str, str, str | int]]] = [
         ("qkv_proj", "q_proj", "q"),
         ("qkv_proj", "k_proj", "k"),
         ("qkv_proj", "v_proj", "v"),

@@ -34,6 +34,7 @@ import torch
 from keel.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from keel.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from keel.sampling_params import SamplingParams
+from keel.utils import cpu_model
 from keel.worker.input_batch import CachedRequestState, InputBatch
 from keel.worker.model_runner import ModelRunner
 
@@ -41,17 +42,6 @@ TARGET_US = 1000.0  # under 1 ms per step at 256 decode requests
 TARGET_N = 256
 MAX_MODEL_LEN = 2048
 BLOCK_SIZE = 16
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith(("model name", "hardware", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class RebuildRunner(ModelRunner):

@@ -31,6 +31,7 @@ import transformers
 from keel import SamplingParams
 from keel.config import resolve_model_path
 from keel.engine.llm import LLM
+from keel.utils import cpu_model
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -60,17 +61,6 @@ def prompt_texts(n: int) -> list[str]:
     """Deterministic prompts of 1..8 sentences (lengths vary by ~8x)."""
     k = len(SENTENCES)
     return [" ".join(SENTENCES[(5 * i + j) % k] for j in range(1 + (7 * i) % 8)) for i in range(n)]
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith(("model name", "hardware", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def build_random_llama(folder: Path) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 
 import torch
 
@@ -57,3 +58,15 @@ def seconds_since_process_start() -> float | None:
     import time
 
     return time.time() - (btime + start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def cpu_model() -> str:
+    """The processor's name, for benchmark reports."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -23,29 +23,30 @@ from keel.model_executor.weight_errors import WeightLoadError
 logger = logging.getLogger(__name__)
 
 
+def _shards_from_index(index: Path) -> list[Path]:
+    """The files a `*.index.json` lists, each checked to exist."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise WeightLoadError(f"{index} is not a valid weight index: {e}") from e
+    files = [index.parent / f for f in sorted(set(weight_map.values()))]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise WeightLoadError(f"Shard(s) listed in {index.name} are missing: {missing}")
+    return files
+
+
 def weight_files(folder: Path) -> list[Path]:
+    """safetensors first (indexed shards, else any *.safetensors), then pytorch_model*.bin."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise WeightLoadError(f"{index} is not a valid safetensors index: {e}") from e
-        files = [folder / f for f in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise WeightLoadError(f"Shard(s) listed in {index.name} are missing: {missing}")
-        return files
+        return _shards_from_index(index)
     files = sorted(folder.glob("*.safetensors"))
     if files:
         return files
     bin_index = folder / "pytorch_model.bin.index.json"
     if bin_index.is_file():
-        weight_map = json.loads(bin_index.read_text())["weight_map"]
-        files = [folder / f for f in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise WeightLoadError(f"Shard(s) listed in {bin_index.name} are missing: {missing}")
-        return files
+        return _shards_from_index(bin_index)
     files = sorted(folder.glob("pytorch_model*.bin"))
     if not files:
         raise WeightLoadError(

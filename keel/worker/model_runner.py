@@ -250,10 +250,8 @@ class ModelRunner:
             num_reqs, query_start_loc, self.positions.gpu[:total_num_scheduled_tokens]
         )
 
-        use_spec_decode = len(scheduler_output.scheduled_spec_decode_tokens) > 0
-        if use_spec_decode:
-            raise NotImplementedError("speculative decoding is not implemented in keel yet")
-        # [0, 2, 7, 10] -> [1, 6, 9]: the last token of each request's slice.
+        # No speculative decoding (execute_model refuses draft tokens before the diff), so no
+        # spec_decode_metadata. [0, 2, 7, 10] -> [1, 6, 9]: the last token of each slice.
         logits_indices = query_start_loc[1:] - 1
         return logits_indices, None
 
@@ -292,6 +290,9 @@ class ModelRunner:
             raise RuntimeError(
                 "State error: sample_tokens() must be called after execute_model() returns None."
             )
+        if scheduler_output.scheduled_spec_decode_tokens:
+            # Refused before the diff, so the batch is left exactly as it was.
+            raise NotImplementedError("speculative decoding is not implemented in keel yet")
         num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         with self.synchronize_input_prep():
             self._update_states(scheduler_output)
@@ -328,10 +329,10 @@ class ModelRunner:
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput | None:
         if self.execute_model_state is None:
             return None  # nothing parked (e.g. a rank that returned hidden states)
+        if grammar_output is not None:  # refused while the state is still parked
+            raise NotImplementedError("structured outputs (grammar bitmasks) are not in keel yet")
         state = self.execute_model_state
         self.execute_model_state = None
-        if grammar_output is not None:
-            raise NotImplementedError("structured outputs (grammar bitmasks) are not in keel yet")
 
         batch = self.input_batch
         num_reqs = batch.num_reqs

@@ -65,6 +65,13 @@ def test_explicit_backend_is_kept(model_config):
     assert cfg.parallel_config.distributed_executor_backend == "uni"
 
 
+def test_uni_refuses_more_than_one_rank(model_config):
+    """It would run one unsharded worker and silently ignore the requested parallelism."""
+    cfg = engine_config(model_config, backend="uni", tp=2)
+    with pytest.raises(ValueError, match="runs one worker"):
+        Executor.get_class(cfg)(cfg)
+
+
 # ---- get_class, branch by branch -------------------------------------------------------------
 
 

@@ -333,3 +333,42 @@ def test_resumed_request_still_in_the_batch_is_replaced_not_extended(make_runner
     assert runner.requests["a"].block_ids == ([7, 8],)
     assert block_row(runner, "a") == [7, 8]
     assert sampled(runner.sample_tokens(None), "a") == ref[1:2]
+
+
+def test_buffers_are_made_once_and_overwritten(make_runner):
+    """The big per-pass buffers are the same memory every pass: each pass overwrites a prefix
+    (the seed: sized once at start-up for the largest batch)."""
+    runner = make_runner()
+    buffers = {
+        "input_ids": runner.input_ids.cpu, "positions": runner.positions.cpu,
+        "query_start_loc": runner.query_start_loc.cpu, "seq_lens": runner.seq_lens.cpu,
+        "discard_request_mask": runner.discard_request_mask.cpu,
+        "token_ids_cpu": runner.input_batch.token_ids_cpu_tensor,
+        "block_table": runner.input_batch.block_table.block_table.cpu,
+        "slot_mapping": runner.input_batch.block_table.slot_mapping.cpu,
+    }
+    ptrs = {name: t.data_ptr() for name, t in buffers.items()}
+    p = prompt(9, 11)
+    step(runner, sched([new_req("a", p, [3, 4])], nst={"a": 9}))
+    for i in range(3):
+        step(runner, sched(cached_reqs=cached(("a", 9 + i, None)), nst={"a": 1}))
+    assert {name: t.data_ptr() for name, t in buffers.items()} == ptrs
+    assert runner.input_ids.cpu[0].item() == token_row(runner, "a")[11]  # last pass's input
+
+
+def test_attention_outside_a_forward_context_is_an_error(make_runner):
+    runner = make_runner()
+    with pytest.raises(RuntimeError, match="No forward context"):
+        runner.model(torch.tensor([5, 6]), torch.tensor([0, 1]))
+
+
+def test_not_yet_features_fail_clearly(make_runner):
+    runner = make_runner()
+    so = sched([new_req("a", prompt(5, 12), [1])], nst={"a": 5})
+    so.scheduled_spec_decode_tokens = {"a": [7]}
+    with pytest.raises(NotImplementedError, match="speculative decoding"):
+        runner.execute_model(so)
+    runner = make_runner()
+    assert runner.execute_model(sched([new_req("a", prompt(5, 12), [1])], nst={"a": 5})) is None
+    with pytest.raises(NotImplementedError, match="structured outputs"):
+        runner.sample_tokens(object())

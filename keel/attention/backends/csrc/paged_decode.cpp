@@ -64,6 +64,19 @@ inline float dot(const float* q, const T* k, int64_t d) {
   return s;
 }
 
+// Visits the cache slots of keys [start, len) of one request, block by block through its row
+// of the block table: f(j, slot) for key position j. One table read per block and no division
+// per token (block_size is only known at run time).
+template <typename F>
+inline void for_each_slot(const int32_t* row, int64_t bs, int64_t start, int64_t len, F&& f) {
+  for (int64_t b = start / bs; b * bs < len; ++b) {
+    const int64_t base = static_cast<int64_t>(row[b]) * bs;
+    const int64_t t0 = std::max<int64_t>(start - b * bs, 0);
+    const int64_t t1 = std::min<int64_t>(len - b * bs, bs);
+    for (int64_t t = t0; t < t1; ++t) f(b * bs + t, base + t);
+  }
+}
+
 template <typename T>
 void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_table,
@@ -94,11 +107,11 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
 
       // Scores: [G, n]
       scores.assign(G * n, 0.f);
-      for (int64_t j = start; j < len; ++j) {
-        const int64_t blk = bt[r * max_blocks + j / bs];
-        const T* k = k_ptr + (blk * bs + j % bs) * tok_stride + hk * D;
+      const int32_t* row = bt + r * max_blocks;
+      for_each_slot(row, bs, start, len, [&](int64_t j, int64_t slot) {
+        const T* k = k_ptr + slot * tok_stride + hk * D;
         for (int64_t g = 0; g < G; ++g) scores[g * n + (j - start)] = dot(&qf[g * D], k, D);
-      }
+      });
       // Softmax per query head (max subtracted for stability).
       for (int64_t g = 0; g < G; ++g) {
         float* s = &scores[g * n];
@@ -113,9 +126,8 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       }
       // Weighted sum of values: [G, D]
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = start; j < len; ++j) {
-        const int64_t blk = bt[r * max_blocks + j / bs];
-        const T* v = v_ptr + (blk * bs + j % bs) * tok_stride + hk * D;
+      for_each_slot(row, bs, start, len, [&](int64_t j, int64_t slot) {
+        const T* v = v_ptr + slot * tok_stride + hk * D;
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * n + (j - start)];
           float* a = &acc[g * D];
@@ -126,7 +138,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
           }
           for (; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           o_ptr[(r * H + hk * G + g) * D + d] = static_cast<T>(acc[g * D + d]);

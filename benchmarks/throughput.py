@@ -13,11 +13,11 @@ keel/transformers, and how many greedy sequences are identical.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -79,17 +79,21 @@ def build_random_llama(folder: Path) -> Path:
     return folder
 
 
-def run_keel(folder: Path, args, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
-    llm = LLM(model=str(folder), dtype=args.dtype, threads=args.threads)
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    reqs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(reqs[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(reqs, sp, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    llm.shutdown()
-    return elapsed, [list(o.outputs[0].token_ids) for o in outs]
+class KeelSide:
+    """keel, loaded once; `run()` times one LLM.generate over all prompts."""
+
+    def __init__(self, folder: Path, args, prompts: list[list[int]]) -> None:
+        self.llm = LLM(model=str(folder), dtype=args.dtype, threads=args.threads)
+        self.sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        self.reqs = [{"prompt_token_ids": p} for p in prompts]
+        self.llm.generate(self.reqs[:4], SamplingParams(temperature=0, max_tokens=8,
+                                                        ignore_eos=True), use_tqdm=False)
+
+    def run(self) -> tuple[float, list[list[int]]]:
+        t0 = time.perf_counter()
+        outs = self.llm.generate(self.reqs, self.sp, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        return elapsed, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def hf_generate(model, prompts: list[list[int]], batch_size: int, max_tokens: int,
@@ -116,29 +120,34 @@ def hf_generate(model, prompts: list[list[int]], batch_size: int, max_tokens: in
     return elapsed, out
 
 
-def run_hf(folder: Path, args, prompts: list[list[int]], pad_id: int):
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-    # Like keel's ignore_eos: EOS neither stops nor is masked. (min_new_tokens would mask EOS
-    # logits, changing the greedy path whenever EOS is the argmax.)
-    model.generation_config.eos_token_id = None
-    n = len(prompts)
-    hf_generate(model, prompts[:4], 4, 8, pad_id)  # warm-up
-    probes: dict[int, float] = {}
-    if args.hf_batch_size == "auto":
-        # Short probe on the whole prompt set at each candidate size; keep the fastest.
-        probe_tokens = min(args.max_tokens, 32)
-        for bs in sorted({n, min(n, 32), min(n, 16)}, reverse=True):
-            t, _ = hf_generate(model, prompts, bs, probe_tokens, pad_id)
-            probes[bs] = n * probe_tokens / t
-        batch_size = max(probes, key=probes.get)
-    else:
-        batch_size = min(int(args.hf_batch_size), n)
-    elapsed, tokens = hf_generate(model, prompts, batch_size, args.max_tokens, pad_id)
-    attn = getattr(model.config, "_attn_implementation", "?")
-    del model
-    gc.collect()
-    return elapsed, tokens, batch_size, probes, attn
+class HFSide:
+    """transformers, loaded once, at its fastest batch size; `run()` times one pass."""
+
+    def __init__(self, folder: Path, args, prompts: list[list[int]], pad_id: int) -> None:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=dtype).eval()
+        # Like keel's ignore_eos: EOS neither stops nor is masked. (min_new_tokens would mask
+        # EOS logits, changing the greedy path whenever EOS is the argmax.)
+        self.model.generation_config.eos_token_id = None
+        self.prompts, self.pad_id, self.max_tokens = prompts, pad_id, args.max_tokens
+        n = len(prompts)
+        hf_generate(self.model, prompts[:4], 4, 8, pad_id)  # warm-up
+        self.probes: dict[int, float] = {}
+        if args.hf_batch_size == "auto":
+            # Short probe on the whole prompt set at each candidate size; keep the fastest.
+            probe_tokens = min(args.max_tokens, 32)
+            for bs in sorted({n, min(n, 32), min(n, 16)}, reverse=True):
+                t, _ = hf_generate(self.model, prompts, bs, probe_tokens, pad_id)
+                self.probes[bs] = n * probe_tokens / t
+            self.batch_size = max(self.probes, key=self.probes.get)
+        else:
+            self.batch_size = min(int(args.hf_batch_size), n)
+        self.attn = getattr(self.model.config, "_attn_implementation", "?")
+
+    def run(self) -> tuple[float, list[list[int]]]:
+        return hf_generate(self.model, self.prompts, self.batch_size, self.max_tokens,
+                           self.pad_id)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
@@ -163,6 +172,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--hf-batch-size", default="auto",
                    help="transformers batch size, or 'auto': probe all/32/16 and keep the best")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="keel and transformers alternate this many times; the ratio is the "
+                        "median of the per-round ratios (this machine's speed drifts)")
     p.add_argument("--json", metavar="PATH", help="append a JSON record of the result to PATH")
     args = p.parse_args()
     if args.random_llama and args.model:
@@ -190,13 +202,21 @@ def main() -> None:
         prompts = [tok(t).input_ids[:limit] for t in prompt_texts(args.num_prompts)]
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
-        keel_s, keel_tokens = run_keel(folder, args, prompts)
-        gc.collect()
-        hf_s, hf_tokens, hf_bs, probes, attn = run_hf(folder, args, prompts, pad_id)
+        keel, hf = KeelSide(folder, args, prompts), HFSide(folder, args, prompts, pad_id)
+        keel_times, hf_times = [], []
+        for _ in range(args.rounds):  # alternate, so drift hits both sides alike
+            keel_s, keel_tokens = keel.run()
+            hf_s, hf_tokens = hf.run()
+            keel_times.append(keel_s)
+            hf_times.append(hf_s)
+        hf_bs, probes, attn = hf.batch_size, hf.probes, hf.attn
 
     n_out = args.num_prompts * args.max_tokens
     assert all(len(t) == args.max_tokens for t in keel_tokens), "keel stopped early"
     assert all(len(t) == args.max_tokens for t in hf_tokens), "transformers stopped early"
+    ratios = sorted(h / k for k, h in zip(keel_times, hf_times))
+    ratio = statistics.median(ratios)
+    keel_s, hf_s = statistics.median(keel_times), statistics.median(hf_times)
     keel_tps, hf_tps = n_out / keel_s, n_out / hf_s
     same, prefix = agreement(keel_tokens, hf_tokens)
     lens = [len(x) for x in prompts]
@@ -211,14 +231,16 @@ def main() -> None:
     print(f"dtype:        {args.dtype}")
     print(f"workload:     {args.num_prompts} prompts of {min(lens)}-{max(lens)} tokens "
           f"({sum(lens)} total), {args.max_tokens} new tokens each, greedy, EOS ignored")
-    print(f"keel:         {keel_tps:9.1f} output tok/s  ({keel_s:.2f} s, LLM.generate, all prompts "
-          "submitted at once, default max_num_seqs/max_num_batched_tokens)")
-    print(f"transformers: {hf_tps:9.1f} output tok/s  ({hf_s:.2f} s, generate, batch size "
-          f"{hf_bs}, left padding, prompts sorted by length, attn={attn})")
+    print(f"keel:         {keel_tps:9.1f} output tok/s  (median of {args.rounds}: {keel_s:.2f} s, "
+          "LLM.generate, all prompts submitted at once, default max_num_seqs/"
+          "max_num_batched_tokens)")
+    print(f"transformers: {hf_tps:9.1f} output tok/s  (median of {args.rounds}: {hf_s:.2f} s, "
+          f"generate, batch size {hf_bs}, left padding, prompts sorted by length, attn={attn})")
     if probes:
         print(f"              batch size chosen by a {min(args.max_tokens, 32)}-token probe: "
               f"{probe_txt}")
-    print(f"ratio:        keel / transformers = {keel_tps / hf_tps:.2f}x")
+    print(f"ratio:        keel / transformers = {ratio:.2f}x  (median of the rounds' ratios: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)})")
     print(f"agreement:    {same}/{args.num_prompts} greedy sequences identical "
           f"({100 * same / args.num_prompts:.1f}%); mean common prefix {100 * prefix:.1f}%")
 
@@ -230,7 +252,7 @@ def main() -> None:
             "model": model_name, "dtype": args.dtype, "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "prompt_tokens": sum(lens),
             "keel_tok_s": keel_tps, "hf_tok_s": hf_tps, "hf_batch_size": hf_bs,
-            "hf_probe_tok_s": probes, "ratio": keel_tps / hf_tps,
+            "hf_probe_tok_s": probes, "ratio": ratio, "round_ratios": ratios,
             "identical": same, "mean_common_prefix": prefix,
         }
         with open(args.json, "a") as f:

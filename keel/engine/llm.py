@@ -126,8 +126,14 @@ class LLM:
         unfinished = set(order)
         try:
             while unfinished:
+                if not core.scheduler.has_requests():
+                    raise RuntimeError(
+                        f"{len(unfinished)} request(s) left the engine without finishing "
+                        "(aborted from elsewhere?)"
+                    )
                 outputs, _ = core.step()
-                for out in outputs.get(0, ()).outputs if outputs else ():
+                batch = outputs.get(0)
+                for out in batch.outputs if batch is not None else ():
                     if out.request_id not in token_ids:
                         continue
                     token_ids[out.request_id].extend(out.new_token_ids)

@@ -80,10 +80,12 @@ def test_mixed_batch_torch_path(heads, kv_heads, head_dim, window):
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_decode_rows(monkeypatch, use_kernel, window, dtype, tol):
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 40), (9, 3, 64), (4, 1, 128)])
+def test_decode_rows(monkeypatch, use_kernel, window, dtype, tol, heads, kv_heads, head_dim):
+    """head_dim 64 and 128 take the kernel's register-blocked path, 40 its generic one."""
     if use_kernel:
         assert get_kernel() is not None, "the CPU kernel must build on this machine"
     else:
         monkeypatch.setattr(torch_paged, "get_kernel", lambda: None)
-    out, ref = run_case([1, 13, 40, 64, 5], [1] * 5, 8, 2, 40, dtype, window)
+    out, ref = run_case([1, 13, 40, 64, 5], [1] * 5, heads, kv_heads, head_dim, dtype, window)
     assert (out - ref).abs().max().item() < tol

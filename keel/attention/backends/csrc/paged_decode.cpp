@@ -25,6 +25,7 @@ namespace {
 
 // 16 floats as one value: GCC/Clang lower it to AVX-512, AVX2 or SSE as the machine allows.
 typedef float v16 __attribute__((vector_size(64)));
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head kept in registers
 
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -77,6 +78,82 @@ inline void for_each_slot(const int32_t* row, int64_t bs, int64_t start, int64_t
   }
 }
 
+// exp(x) for x <= 0 on 16 lanes: 2^(x log2 e) split into 2^k * 2^f, f in [-0.5, 0.5],
+// with a degree-6 polynomial for 2^f (relative error ~2e-7, like expf).
+inline v16 exp16(v16 x) {
+  const v16 lo = v16{} - 87.0f;
+  x = x < lo ? lo : x;
+  v16 t = x * 1.4426950408889634f;
+  v16 k;
+  for (int i = 0; i < 16; ++i) k[i] = __builtin_roundevenf(t[i]);
+  const v16 f = (t - k) * 0.6931471805599453f;  // f = (t - k) ln 2
+  v16 p = v16{} + 1.0f / 720;
+  p = p * f + 1.0f / 120;
+  p = p * f + 1.0f / 24;
+  p = p * f + 1.0f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;  // e^f
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  const i32x16 ki = __builtin_convertvector(k, i32x16);
+  i32x16 bits;
+  std::memcpy(&bits, &p, sizeof(p));
+  bits += ki << 23;  // times 2^k
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <int D, typename T>
+void decode_item(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, int64_t bs,
+                 int64_t tok_stride, int64_t start, int64_t len, int64_t G, float scale,
+                 float* scores, T* out) {
+  constexpr int C = D / 16;
+  const int64_t n = len - start;
+  v16 qv[kMaxGroup][C];  // the G query heads of this group, pre-scaled
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = load16(q + g * D + c * 16) * scale;
+  for_each_slot(row, bs, start, len, [&](int64_t j, int64_t slot) {
+    const T* k = k_ptr + slot * tok_stride;
+    v16 kk[C];
+    for (int c = 0; c < C; ++c) kk[c] = load16(k + c * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      v16 a = qv[g][0] * kk[0];
+      for (int c = 1; c < C; ++c) a += qv[g][c] * kk[c];
+      scores[g * n + (j - start)] = hsum(a);
+    }
+  });
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    float m = s[0];
+    for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+    float sum = 0.f;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      v16 e = exp16(load16(s + j) - m);
+      std::memcpy(s + j, &e, sizeof(e));
+      sum += hsum(e);
+    }
+    for (; j < n; ++j) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    const float inv = 1.f / sum;
+    for (j = 0; j < n; ++j) s[j] *= inv;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    v16 acc[C] = {};
+    const float* p = scores + g * n;
+    for_each_slot(row, bs, start, len, [&](int64_t j, int64_t slot) {
+      const T* v = v_ptr + slot * tok_stride;
+      const float w = p[j - start];
+      for (int c = 0; c < C; ++c) acc[c] += w * load16(v + c * 16);
+    });
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < 16; ++i) out[g * D + c * 16 + i] = static_cast<T>(acc[c][i]);
+  }
+}
+
 template <typename T>
 void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_table,
@@ -101,13 +178,23 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - start;
       if (n <= 0) continue;
+      const int32_t* row = bt + r * max_blocks;
+      if (G <= kMaxGroup && (D == 64 || D == 128)) {
+        // Common head sizes: accumulators in registers, vectorised exp.
+        scores.resize(G * n);
+        const T* q = q_ptr + (r * H + hk * G) * D;
+        T* o = o_ptr + (r * H + hk * G) * D;
+        const auto item_fn = D == 64 ? decode_item<64, T> : decode_item<128, T>;
+        item_fn(q, k_ptr + hk * D, v_ptr + hk * D, row, bs, tok_stride, start, len, G,
+                static_cast<float>(scale), scores.data(), o);
+        continue;
+      }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = static_cast<float>(q_ptr[(r * H + hk * G + g) * D + d]) * scale;
 
       // Scores: [G, n]
       scores.assign(G * n, 0.f);
-      const int32_t* row = bt + r * max_blocks;
       for_each_slot(row, bs, start, len, [&](int64_t j, int64_t slot) {
         const T* k = k_ptr + slot * tok_stride + hk * D;
         for (int64_t g = 0; g < G; ++g) scores[g * n + (j - start)] = dot(&qf[g * D], k, D);

@@ -80,10 +80,9 @@ class RebuildRunner(ModelRunner):
 
 def clear_batch(batch: InputBatch) -> None:
     """Empty the batch's membership; rows are overwritten by the next add_request."""
-    batch.req_ids[: batch._num_rows] = [None] * batch._num_rows
+    batch.req_ids.clear()
     batch.req_id_to_index.clear()
     batch._free_rows.clear()
-    batch._num_rows = 0
     for s in (batch.greedy_reqs, batch.random_reqs, batch.top_p_reqs, batch.top_k_reqs):
         s.clear()
     batch.generators.clear()

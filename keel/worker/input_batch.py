@@ -47,10 +47,11 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
-        self.req_ids: list[str | None] = [None] * max_num_reqs  # row -> req_id (None: hole)
+        # Row -> req_id, None for a hole. After condense() it is exactly the batch, in row order
+        # (len == num_reqs), so `for r in input_batch.req_ids` visits every request once.
+        self.req_ids: list[str | None] = []
         self.req_id_to_index: dict[str, int] = {}
-        self._free_rows: list[int] = []  # heap of holes below the high-water mark
-        self._num_rows = 0  # high-water mark: rows [0, _num_rows) are used or holes
+        self._free_rows: list[int] = []  # heap of holes in req_ids
 
         # [max_num_reqs, max_model_len]: each request's prompt + output ids, in its own row.
         self.token_ids_cpu_tensor = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int32)
@@ -86,8 +87,8 @@ class InputBatch:
         if self._free_rows:
             req_index = heapq.heappop(self._free_rows)
         else:
-            req_index = self._num_rows
-            self._num_rows += 1
+            req_index = len(self.req_ids)
+            self.req_ids.append(None)
         assert req_index < self.max_num_reqs, "more requests than max_num_seqs"
         req_id = request.req_id
         self.req_ids[req_index] = req_id
@@ -137,13 +138,13 @@ class InputBatch:
         num_reqs = self.num_reqs
         holes = sorted(i for i in self._free_rows if i < num_reqs)
         self._free_rows.clear()
-        last = self._num_rows - 1
+        last = len(self.req_ids) - 1
         for hole in holes:
             while self.req_ids[last] is None:  # skip holes at the top
                 last -= 1
             self._move_row(last, hole)
             last -= 1
-        self._num_rows = num_reqs
+        del self.req_ids[num_reqs:]
 
     def _move_row(self, src: int, tgt: int) -> None:
         req_id = self.req_ids[src]

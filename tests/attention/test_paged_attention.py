@@ -89,3 +89,22 @@ def test_decode_rows(monkeypatch, use_kernel, window, dtype, tol, heads, kv_head
         monkeypatch.setattr(torch_paged, "get_kernel", lambda: None)
     out, ref = run_case([1, 13, 40, 64, 5], [1] * 5, heads, kv_heads, head_dim, dtype, window)
     assert (out - ref).abs().max().item() < tol
+
+
+def test_kernel_build_failure_falls_back(monkeypatch):
+    """No compiler (or any build error): get_kernel() says so and returns None, so attention
+    takes the torch path; KEEL_CPU_KERNEL=0 turns the kernel off."""
+    import torch.utils.cpp_extension as cpp_ext
+
+    from keel.attention.backends import cpu_kernel
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpu_kernel, "_tried", False)
+    monkeypatch.setattr(cpu_kernel, "_module", None)
+    monkeypatch.setattr(cpp_ext, "load_inline", broken)
+    assert cpu_kernel.get_kernel() is None
+    monkeypatch.setattr(cpu_kernel, "_tried", False)
+    monkeypatch.setenv("KEEL_CPU_KERNEL", "0")
+    assert cpu_kernel.get_kernel() is None

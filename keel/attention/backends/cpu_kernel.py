@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,11 @@ def get_kernel() -> Any | None:
     _tried = True
     if os.environ.get("KEEL_CPU_KERNEL", "1") == "0":
         return None
+    # The `ninja` that pip installed with keel sits next to this interpreter; torch looks for
+    # it on PATH, which an unactivated virtual environment does not extend.
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load_inline
 

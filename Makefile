@@ -1,5 +1,5 @@
 VENV ?= .venv
-PROMPT ?= "The capital of France is"
+PROMPT ?= "What is the capital of France?" "Write a haiku about the sea."
 
 .PHONY: install run test lint
 

@@ -89,10 +89,6 @@ class ModelConfig:
         return _DTYPES[self.dtype]
 
     @property
-    def architecture(self) -> str:
-        return self.hf_config.architectures[0]
-
-    @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 

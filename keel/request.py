@@ -37,7 +37,6 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     max_tokens: int = 16  # sampling_params.max_tokens, or what max_model_len leaves
-    arrival_time: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -35,11 +35,6 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[int]] = {}
 
-    @property
-    def usage(self) -> float:
-        pool = self.block_pool
-        return 1.0 - pool.get_num_free_blocks() / max(pool.num_blocks, 1)
-
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

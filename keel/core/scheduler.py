@@ -69,9 +69,6 @@ class Scheduler:
         # Finished ids still to be sent count: the runner must see them to clean its batch.
         return self.has_unfinished_requests() or bool(self.finished_req_ids)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- one step ---------------------------------------------------------------------------
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:

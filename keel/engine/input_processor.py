@@ -5,7 +5,6 @@ the engine, so a bad request costs nothing to the others."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from keel.config import EngineConfig
@@ -78,5 +77,4 @@ class InputProcessor:
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             max_tokens=max_tokens,
-            arrival_time=time.monotonic(),
         ), text

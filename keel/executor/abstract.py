@@ -60,7 +60,6 @@ class Executor(ABC):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.is_failed = False
         self._init_executor()
 
     @abstractmethod

@@ -137,7 +137,8 @@ class ModelRunner:
                 prompt_token_ids=new_req_data.prompt_token_ids,
                 sampling_params=sp,
                 generator=generator,
-                block_ids=tuple(list(b) for b in new_req_data.block_ids),
+                # The scheduler sent its own copy of the ids: the runner may extend them.
+                block_ids=new_req_data.block_ids,
                 num_computed_tokens=new_req_data.num_computed_tokens,
             )
             self.requests[new_req_data.req_id] = req_state
@@ -153,7 +154,7 @@ class ModelRunner:
                 # Preempted requests lost their blocks: the ids arriving now are the whole
                 # allocation, so they replace the old list instead of extending it.
                 assert new_block_ids is not None
-                req_state.block_ids = tuple(list(b) for b in new_block_ids)
+                req_state.block_ids = new_block_ids
             elif new_block_ids is not None:
                 for block_ids, new_ids in zip(req_state.block_ids, new_block_ids):
                     block_ids.extend(new_ids)
@@ -302,7 +303,7 @@ class ModelRunner:
             num_reqs = self.input_batch.num_reqs
             nst = scheduler_output.num_scheduled_tokens
             num_scheduled_tokens_np = self.num_scheduled_tokens_np[:num_reqs]
-            num_scheduled_tokens_np[:] = [nst[r] for r in self.input_batch.req_ids[:num_reqs]]
+            num_scheduled_tokens_np[:] = [nst[r] for r in self.input_batch.req_ids]
             logits_indices, spec_decode_metadata = self._prepare_inputs(
                 scheduler_output, num_scheduled_tokens_np
             )
@@ -346,11 +347,12 @@ class ModelRunner:
         sampled = self.sampler(state.logits, meta)  # [num_reqs]
         sampled_np = sampled.cpu().numpy()
         kept_rows = np.flatnonzero(~discard)
-        batch.append_sampled_tokens(kept_rows, sampled_np[kept_rows])
+        kept_tokens = sampled_np[kept_rows]
+        batch.append_sampled_tokens(kept_rows, kept_tokens)
 
-        req_ids = batch.req_ids[:num_reqs]
+        req_ids = batch.req_ids  # exactly the batch, in row order, after condense()
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
-        for row, token in zip(kept_rows.tolist(), sampled_np[kept_rows].tolist()):
+        for row, token in zip(kept_rows.tolist(), kept_tokens.tolist()):
             self.requests[req_ids[row]].output_token_ids.append(token)
             sampled_token_ids[row] = [token]
         return ModelRunnerOutput(

@@ -173,7 +173,6 @@ class FakeWorker:
 def executor():
     ex = object.__new__(UniProcExecutor)
     ex.config = None
-    ex.is_failed = False
     ex.driver_worker = FakeWorker()
     return ex
 

@@ -89,4 +89,9 @@ def load_model(model_config: ModelConfig) -> nn.Module:
             f"{len(missing)} tensor(s) missing from the checkpoint in {folder}: {shown}"
         )
     logger.info("Loaded %s from %s (%s)", cls.__name__, folder, model_config.torch_dtype)
-    return model.to(model_config.torch_device).eval()
+    model = model.to(model_config.torch_device).eval()
+    for module in model.modules():  # e.g. pack weights for the CPU GEMM (layers/linear.py)
+        process = getattr(module, "process_weights_after_loading", None)
+        if process is not None:
+            process()
+    return model

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from keel.attention.backends.cpu_kernel import get_kernel
 from keel.attention.layer import kv_cache_bytes_per_block
 from keel.config import EngineConfig
 from keel.core.sched_output import SchedulerOutput
+from keel.cpu_ops import get_cpu_ops
 from keel.outputs import ModelRunnerOutput
 from keel.utils import available_memory_bytes, configure_threads
 from keel.worker.model_runner import ModelRunner
@@ -39,7 +39,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             configure_threads(self.config.threads)
-            get_kernel()  # build/load the CPU decode kernel now, not inside the first step
+            get_cpu_ops()  # build/load keel's CPU kernels now, not inside the first step
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.device)
 

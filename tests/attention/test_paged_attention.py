@@ -1,5 +1,5 @@
-"""The paged attention paths against a plain dense reference: the portable torch path for
-mixed batches, and keel's compiled CPU decode kernel for decode rows."""
+"""The paged attention paths against a plain dense reference: the portable torch path (gather +
+SDPA), and keel's compiled CPU kernel, which takes decode rows and short prompt chunks."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from keel.attention.backends import torch_paged
-from keel.attention.backends.cpu_kernel import get_kernel
 from keel.attention.backends.torch_paged import build_attention_metadata, paged_attention
+from keel.cpu_ops import get_cpu_ops
 
 
 def dense_reference(q_seqs, k_seqs, v_seqs, q_lens, scale, window):
@@ -69,11 +69,35 @@ def run_case(seq_lens, q_lens, heads, kv_heads, head_dim, dtype, window, block_s
     return out.float(), ref
 
 
+def use_kernel_or_torch(monkeypatch, use_kernel: bool) -> None:
+    if use_kernel:
+        assert get_cpu_ops() is not None, "the CPU kernels must build on this machine"
+    else:
+        monkeypatch.setattr(torch_paged, "get_cpu_ops", lambda: None)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 32), (4, 4, 48), (9, 3, 64)])
-def test_mixed_batch_torch_path(heads, kv_heads, head_dim, window):
-    out, ref = run_case([9, 17, 4, 30], [9, 6, 1, 1], heads, kv_heads, head_dim,
-                        torch.float32, window)
+def test_mixed_batch(monkeypatch, use_kernel, heads, kv_heads, head_dim, dtype, tol, window):
+    """Whole prompts, a chunk continuing a prompt, and decode rows in one pass."""
+    use_kernel_or_torch(monkeypatch, use_kernel)
+    out, ref = run_case([9, 17, 4, 30], [9, 6, 1, 1], heads, kv_heads, head_dim, dtype, window)
+    assert (out - ref).abs().max().item() < tol
+
+
+def test_long_chunk_takes_the_torch_path(monkeypatch):
+    """Past CPU_KERNEL_MAX_QUERY_LEN queries in one request the pass goes to SDPA (still
+    right); the kernel is not called."""
+    monkeypatch.setattr(torch_paged, "CPU_KERNEL_MAX_QUERY_LEN", 8)
+
+    class NoKernel:
+        def paged_attention(self, *args):
+            raise AssertionError("the kernel must not take a 9-query chunk")
+
+    monkeypatch.setattr(torch_paged, "get_cpu_ops", NoKernel)
+    out, ref = run_case([9, 17, 4, 30], [9, 6, 1, 1], 9, 3, 64, torch.float32, None)
     assert (out - ref).abs().max().item() < 1e-5
 
 
@@ -83,28 +107,25 @@ def test_mixed_batch_torch_path(heads, kv_heads, head_dim, window):
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 40), (9, 3, 64), (4, 1, 128)])
 def test_decode_rows(monkeypatch, use_kernel, window, dtype, tol, heads, kv_heads, head_dim):
     """head_dim 64 and 128 take the kernel's register-blocked path, 40 its generic one."""
-    if use_kernel:
-        assert get_kernel() is not None, "the CPU kernel must build on this machine"
-    else:
-        monkeypatch.setattr(torch_paged, "get_kernel", lambda: None)
+    use_kernel_or_torch(monkeypatch, use_kernel)
     out, ref = run_case([1, 13, 40, 64, 5], [1] * 5, heads, kv_heads, head_dim, dtype, window)
     assert (out - ref).abs().max().item() < tol
 
 
 def test_kernel_build_failure_falls_back(monkeypatch):
-    """No compiler (or any build error): get_kernel() says so and returns None, so attention
-    takes the torch path; KEEL_CPU_KERNEL=0 turns the kernel off."""
+    """No compiler (or any build error): get_cpu_ops() says so and returns None, so every
+    layer takes its torch path; KEEL_CPU_KERNEL=0 turns the kernels off."""
     import torch.utils.cpp_extension as cpp_ext
 
-    from keel.attention.backends import cpu_kernel
+    from keel import cpu_ops
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(cpu_kernel, "_tried", False)
-    monkeypatch.setattr(cpu_kernel, "_module", None)
-    monkeypatch.setattr(cpp_ext, "load_inline", broken)
-    assert cpu_kernel.get_kernel() is None
-    monkeypatch.setattr(cpu_kernel, "_tried", False)
+    monkeypatch.setattr(cpu_ops, "_tried", False)
+    monkeypatch.setattr(cpu_ops, "_module", None)
+    monkeypatch.setattr(cpp_ext, "load", broken)
+    assert cpu_ops.get_cpu_ops() is None
+    monkeypatch.setattr(cpu_ops, "_tried", False)
     monkeypatch.setenv("KEEL_CPU_KERNEL", "0")
-    assert cpu_kernel.get_kernel() is None
+    assert cpu_ops.get_cpu_ops() is None

@@ -13,9 +13,14 @@ The kernel is vectorised over the whole batch, with no Python loop over tokens o
   5. gather the real query rows back into the flat token order.
 Steps 2-3 use indices that depend only on the batch, so they are built once per pass in
 `build_attention_metadata` and shared by every layer. A pure-decode pass (every query length 1)
-skips the query scatter entirely and, on the CPU, goes to keel's compiled decode kernel
-(`cpu_kernel.py`), which reads K/V through the block table without the gathered copy. A
-faster CUDA kernel can take the same place later.
+skips the query scatter entirely.
+
+On the CPU, keel's compiled kernel (`keel/cpu_ops.py`) replaces steps 2-5 whenever no request
+has more than `CPU_KERNEL_MAX_QUERY_LEN` query tokens in the pass: it treats each query token
+as a row of its own whose keys end at the token's position, and reads K/V in place through the
+block table, with no gathered or padded copy. Longer prompt chunks keep SDPA, whose blocked
+matmuls win once a request has many queries to share each key. A faster CUDA kernel can take
+the same place later.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from keel.attention.backends.cpu_kernel import get_kernel
+from keel.cpu_ops import get_cpu_ops
+
+# The CPU kernel's cost per query token grows with its context (one pass over its keys), SDPA
+# shares each key among a request's queries: measured crossover ~ this many queries per request.
+CPU_KERNEL_MAX_QUERY_LEN = 256
 
 
 @dataclass(slots=True)
@@ -42,6 +51,9 @@ class PagedAttentionMetadata:
     kv_len: int  # padded key length: max_seq_len rounded up to whole blocks
     query_rows: torch.Tensor | None  # [num_tokens] row in the padded [num_reqs*max_query_len]
     query_pos: torch.Tensor  # [num_reqs, max_query_len] absolute position of each padded query
+    # Per query token, for the CPU kernel (None in pure decode: row r is token r, seq_lens):
+    token_rows: torch.Tensor | None  # [num_tokens] int32 request (block-table row) of token t
+    token_seq_lens: torch.Tensor | None  # [num_tokens] int64 keys visible to token t
     _masks: dict = field(default_factory=dict)  # sliding_window -> bool mask
 
     @property
@@ -91,12 +103,15 @@ def build_attention_metadata(
     context_lens = seq_lens - query_lens  # tokens already in the cache before this pass
     query_pos = context_lens[:, None] + torch.arange(max_query_len, device=device)  # [R, Q]
     if max_query_len == 1:
-        query_rows = None  # row r of the padded view is token r: nothing to scatter
+        query_rows = token_rows = token_seq_lens = None  # row r is token r: nothing to scatter
     else:
         # E.g. query_start_loc [0, 2, 7, 10], max_query_len 5 -> rows [0,1, 5..9, 10,11,12]
         tok = torch.arange(num_tokens, device=device)
         req = torch.repeat_interleave(torch.arange(len(query_lens), device=device), query_lens)
-        query_rows = req * max_query_len + (tok - qsl[req])
+        offset = tok - qsl[req]  # index of token t among its request's queries
+        query_rows = req * max_query_len + offset
+        token_rows = req.to(torch.int32)
+        token_seq_lens = context_lens[req] + offset + 1
     return PagedAttentionMetadata(
         num_actual_tokens=num_tokens,
         max_query_len=max_query_len,
@@ -109,6 +124,8 @@ def build_attention_metadata(
         kv_len=num_kv_blocks * block_size,
         query_rows=query_rows,
         query_pos=query_pos,
+        token_rows=token_rows,
+        token_seq_lens=token_seq_lens,
     )
 
 
@@ -137,11 +154,15 @@ def paged_attention(
 
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
-    if meta.query_rows is None and kv_cache.device.type == "cpu":
-        kernel = get_kernel()  # pure decode on the CPU: read K/V in place, no gathered copy
-        if kernel is not None:
-            out = kernel.paged_decode(query, kv_cache[0], kv_cache[1], meta.block_table,
-                                      meta.seq_lens, scale, sliding_window or 0)
+    if kv_cache.device.type == "cpu" and meta.max_query_len <= CPU_KERNEL_MAX_QUERY_LEN:
+        ops = get_cpu_ops()  # one row per query token, K/V read in place: no gathered copy
+        if ops is not None:
+            decode = meta.query_rows is None
+            out = ops.paged_attention(
+                query, kv_cache[0], kv_cache[1], meta.block_table,
+                meta.seq_lens if decode else meta.token_seq_lens,
+                None if decode else meta.token_rows, scale, sliding_window or 0,
+            )
             return out.view(n, num_heads * head_dim)
     r, s, q_len = meta.num_reqs, meta.kv_len, meta.max_query_len
     blocks = meta.kv_blocks.view(-1)

@@ -3,9 +3,16 @@
 Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies the
 HF tensor (or this rank's slice of it) into the right rows. Merged layers (`qkv_proj`,
 `gate_up_proj`) are loaded from the separate HF tensors through `shard_id`.
+
+On the CPU, `process_weights_after_loading()` hands each weight to oneDNN once, in the blocked
+layout its GEMM reads fastest, and releases the dense copy (vLLM's CPU backend does the same).
+Measured here on the default model's shapes at 64 rows: 1.5x faster than `F.linear`'s MKL path
+in float32, 1.2x in bfloat16 (BENCHMARKS.md). `KEEL_ONEDNN_GEMM=0` keeps plain `F.linear`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,34 @@ def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
         )
 
 
+# oneDNN picks its blocked layout for a batch size; one packed for 64 rows was as fast as one
+# packed for the actual size at every size measured (1 to 2048 rows).
+_PACK_BATCH_HINT = 64
+
+
+def onednn_gemm_supported(weight: torch.Tensor) -> bool:
+    """Whether `weight` can be packed for oneDNN's CPU GEMM (float32, or bfloat16 where the CPU
+    has native support), unless `KEEL_ONEDNN_GEMM=0`."""
+    if weight.device.type != "cpu" or os.environ.get("KEEL_ONEDNN_GEMM", "1") == "0":
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An opaque oneDNN copy of `weight` [out, in] for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
     _check_shape(param, loaded, name or "a parameter")
     param.data.copy_(loaded)
@@ -44,9 +79,21 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the loaded weight for oneDNN on the CPU and release the dense copy."""
+        if self.packed_weight is None and onednn_gemm_supported(self.weight):
+            self.packed_weight = pack_weight(self.weight)
+            self.weight = nn.Parameter(self.weight.new_empty(0), False)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -123,9 +170,9 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
-        if self.tp_size > 1:
-            out = tensor_model_parallel_all_reduce(out)
+        if self.tp_size == 1:
+            return self._matmul(x, self.bias)
+        out = tensor_model_parallel_all_reduce(self._matmul(x, None))
         if self.bias is not None:  # added once, after the reduction
             out = out + self.bias
         return out

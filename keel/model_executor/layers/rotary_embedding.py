@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from keel.cpu_ops import cpu_ops_for
+
 _UNSUPPORTED = {"dynamic", "longrope"}
 
 
@@ -49,6 +51,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 
+        self.head_dim = head_dim
+        self._cos_sin: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _cos_sin_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin caches in the model's dtype, converted once (the torch path converts
+        the rows it gathers, with the same rounding)."""
+        pair = self._cos_sin.get(dtype)
+        if pair is None or pair[0].device != self.cos_cache.device:
+            pair = (self.cos_cache.to(dtype), self.sin_cache.to(dtype))
+            self._cos_sin[dtype] = pair
+        return pair
+
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
@@ -57,15 +71,26 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T]; q: [T, H, D]; k: [T, Hkv, D]."""
+        """positions: [T]; q: [T, H * D]; k: [T, Hkv * D] (rows may be strided, e.g. views of
+        a fused qkv output). Returns them rotated, same shapes; on the CPU kernels path q and
+        k are rotated in place."""
+        ops = cpu_ops_for(q)
+        if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            cos, sin = self._cos_sin_in(q.dtype)
+            ops.rotary_neox_(positions, q, k, cos, sin, self.head_dim)
+            return q, k
+        t, d = q.shape[0], self.head_dim
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # [T, 1, rot]
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         r = self.rot_dim
 
         def apply(x: torch.Tensor) -> torch.Tensor:
-            if r == x.shape[-1]:
-                return x * cos + self._rotate_half(x) * sin
-            rot, rest = x[..., :r], x[..., r:]
-            return torch.cat((rot * cos + self._rotate_half(rot) * sin, rest), dim=-1)
+            x = x.reshape(t, -1, d)
+            if r == d:
+                out = x * cos + self._rotate_half(x) * sin
+            else:
+                rot, rest = x[..., :r], x[..., r:]
+                out = torch.cat((rot * cos + self._rotate_half(rot) * sin, rest), dim=-1)
+            return out.reshape(t, -1)
 
         return apply(q), apply(k)

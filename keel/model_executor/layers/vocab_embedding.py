@@ -10,7 +10,12 @@ from keel.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from keel.model_executor.layers.linear import default_weight_loader
+from keel.model_executor.layers.linear import (
+    default_weight_loader,
+    onednn_gemm_supported,
+    pack_weight,
+    packed_linear,
+)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,11 +46,27 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The vocabulary projection. Shares its weight with the embedding when tied."""
+    """The vocabulary projection. Shares its weight with the embedding when `tied`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=None) -> None:
+        super().__init__(num_embeddings, embedding_dim, dtype)
+        self.tied = False
+        self.packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack for oneDNN on the CPU (see linear.py). A tied weight stays: the embedding
+        still looks rows up in it."""
+        if self.packed_weight is None and onednn_gemm_supported(self.weight):
+            self.packed_weight = pack_weight(self.weight)
+            if not self.tied:
+                self.weight = nn.Parameter(self.weight.new_empty(0), False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] (only the rows to be sampled) -> [n, vocab] in float32."""
-        logits = F.linear(hidden, self.weight)
+        if self.packed_weight is not None:
+            logits = packed_linear(hidden, self.packed_weight)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits)
         return logits[:, : self.num_embeddings].float()

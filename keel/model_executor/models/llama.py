@@ -16,6 +16,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from keel.attention.layer import Attention
+from keel.cpu_ops import cpu_ops_for
 from keel.model_executor.layers.layernorm import RMSNorm
 from keel.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -65,14 +66,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
+        # Views of one [T, q + 2 kv] output; RoPE rotates q and k in place where it can.
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
-        return self.o_proj(out)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
@@ -85,9 +85,14 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
         self.act = ACT2FN[config.hidden_act]
+        self.is_silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = cpu_ops_for(gate_up) if self.is_silu else None
+        if ops is not None and gate_up.dim() == 2:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -149,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tied = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)  # [T, hidden]

@@ -1,0 +1,21 @@
+// Python bindings of keel's CPU kernels (built by keel/cpu_ops.py).
+#include <torch/extension.h>
+
+#include <optional>
+
+at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                           at::Tensor block_table, at::Tensor seq_lens,
+                           std::optional<at::Tensor> rows, double scale, int64_t sliding_window);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_neox_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
+                  at::Tensor sin, int64_t head_dim);
+at::Tensor silu_and_mul(at::Tensor x);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention, one query token per row");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("fused_add_rms_norm_", &fused_add_rms_norm_, "residual += x; x = RMSNorm(residual)");
+  m.def("rotary_neox_", &rotary_neox_, "rotate-half RoPE of q and k, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:]");
+}

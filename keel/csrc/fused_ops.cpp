@@ -1,0 +1,223 @@
+// Fused elementwise ops of the decoder layers on the CPU: one pass over memory and one op call
+// where the torch expressions take 5-15 ops each (at 64 decode rows the per-op overhead, not
+// the arithmetic, is what those cost).
+//
+// Each op rounds where the torch expression it replaces rounds (to the model's dtype after each
+// step), and is compiled without contracting a * b + c into an FMA, so float32 results match
+// the torch expressions up to the order of the variance sum (a few ulp).
+//
+//   rms_norm(x [T, N], weight [N], eps) -> [T, N]
+//   fused_add_rms_norm_(x [T, N], residual [T, N], weight [N], eps)
+//       residual <- x + residual;  x <- rms_norm(residual)           (in place, both)
+//   rotary_neox_(positions [T], q [T, Hq * D], k [T, Hk * D], cos [P, rot], sin [P, rot], D)
+//       rotate-half RoPE on the first `rot` dims of every head, in place (rows may be strided)
+//   silu_and_mul(x [T, 2I]) -> [T, I]  =  silu(x[:, :I]) * x[:, I:]
+// Its own translation unit, so this applies to every function in it (the helpers of vec.h
+// included).
+#pragma GCC optimize("fp-contract=off")
+
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+namespace {
+
+using keel::load16;
+using keel::round_to;
+using keel::store16;
+using keel::v16;
+
+inline int64_t grain_rows(int64_t row_elems) {  // ~16k elements per task
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1));
+}
+
+// The normalisation of one row, in float32 as transformers' RMSNorm computes it:
+// y = x * rsqrt(mean(x^2) + eps) rounded to T, then weight * y rounded to T.
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  v16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16 v = load16(x + i);
+    acc += v * v;
+  }
+  float ss = keel::hsum(acc);
+  for (; i < n; ++i) ss += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (i = 0; i + 16 <= n; i += 16)
+    store16(out + i, load16(w + i) * round_to<T>(load16(x + i) * r));
+  for (; i < n; ++i)
+    out[i] = static_cast<T>(static_cast<float>(w[i]) *
+                            static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * r)));
+}
+
+template <typename T>
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) norm_row(xp + r * n, wp, op + r * n, n, eps);
+  });
+}
+
+template <typename T>
+void fused_add_rms_norm_kernel(at::Tensor& x, at::Tensor& res, const at::Tensor& w, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = res.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      T* xr = xp + r * n;
+      T* rr = rp + r * n;
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16) store16(rr + i, load16(xr + i) + load16(rr + i));
+      for (; i < n; ++i)
+        rr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+      norm_row(rr, wp, xr, n, eps);
+    }
+  });
+}
+
+// One head: x1 = x[:h], x2 = x[h:2h] (h = rot / 2);
+// x1 <- x1 * cos[:h] + (-x2) * sin[:h];  x2 <- x2 * cos[h:] + x1 * sin[h:]   (rounded as torch)
+template <typename T>
+inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
+  int64_t i = 0;
+  for (; i + 16 <= half; i += 16) {
+    const v16 x1 = load16(x + i), x2 = load16(x + half + i);
+    const v16 a = round_to<T>(x1 * load16(c + i)) + round_to<T>(-x2 * load16(s + i));
+    const v16 b = round_to<T>(x2 * load16(c + half + i)) + round_to<T>(x1 * load16(s + half + i));
+    store16(x + i, a);
+    store16(x + half + i, b);
+  }
+  for (; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
+    const float a = static_cast<float>(static_cast<T>(x1 * static_cast<float>(c[i]))) +
+                    static_cast<float>(static_cast<T>(-x2 * static_cast<float>(s[i])));
+    const float b = static_cast<float>(static_cast<T>(x2 * static_cast<float>(c[half + i]))) +
+                    static_cast<float>(static_cast<T>(x1 * static_cast<float>(s[half + i])));
+    x[i] = static_cast<T>(a);
+    x[half + i] = static_cast<T>(b);
+  }
+}
+
+template <typename T>
+void rotary_kernel(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                   const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim) {
+  const int64_t tokens = q.size(0), rot = cos.size(1), half = rot / 2;
+  const int64_t hq = q.size(1) / head_dim, hk = k.size(1) / head_dim;
+  const int64_t qs = q.stride(0), ks = k.stride(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, grain_rows((hq + hk) * head_dim), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* c = cp + pos[t] * rot;
+      const T* s = sp + pos[t] * rot;
+      for (int64_t h = 0; h < hq; ++h) rotate_head(qp + t * qs + h * head_dim, c, s, half);
+      for (int64_t h = 0; h < hk; ++h) rotate_head(kp + t * ks + h * head_dim, c, s, half);
+    }
+  });
+}
+
+// silu(g) = g * sigmoid(g), with sigmoid from exp(-|g|) (no overflow); rounded to T, then
+// times up, rounded to T: torch's `act(gate) * up` in T.
+template <typename T>
+void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), inter = out.size(1), xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(inter), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* g = xp + r * xs;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+      int64_t i = 0;
+      for (; i + 16 <= inter; i += 16) {
+        const v16 gv = load16(g + i);
+        const v16 ax = gv < 0 ? -gv : gv;
+        const v16 ex = keel::exp16(-ax);  // exp(-|g|) in (0, 1]
+        const v16 num = gv < 0 ? ex : v16{} + 1.0f;
+        const v16 silu = gv * (num / (1.0f + ex));
+        store16(o + i, round_to<T>(silu) * load16(u + i));
+      }
+      for (; i < inter; ++i) {
+        const float gf = static_cast<float>(g[i]);
+        const float silu = gf / (1.0f + std::exp(-gf));
+        o[i] = static_cast<T>(static_cast<float>(static_cast<T>(silu)) *
+                              static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, ": expected [rows, n] with unit stride");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  x = x.contiguous();
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: dtype mismatch");
+  weight = weight.contiguous();
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x, weight, out, static_cast<float>(eps));
+  });
+  return out;
+}
+
+void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.dim() == 2,
+              "fused_add_rms_norm_: contiguous [rows, n] tensors expected");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "fused_add_rms_norm_: shape mismatch");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() &&
+              residual.scalar_type() == x.scalar_type(), "fused_add_rms_norm_: dtype mismatch");
+  weight = weight.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
+                                  "fused_add_rms_norm_", [&] {
+    fused_add_rms_norm_kernel<scalar_t>(x, residual, weight, static_cast<float>(eps));
+  });
+}
+
+void rotary_neox_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
+                  at::Tensor sin, int64_t head_dim) {
+  check_rows(q, "rotary_neox_ q");
+  check_rows(k, "rotary_neox_ k");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+              sin.scalar_type() == q.scalar_type(), "rotary_neox_: dtype mismatch");
+  TORCH_CHECK(cos.size(1) % 2 == 0 && cos.size(1) <= head_dim, "rotary_neox_: bad rot dim");
+  TORCH_CHECK(q.size(1) % head_dim == 0 && k.size(1) % head_dim == 0,
+              "rotary_neox_: width not a multiple of head_dim");
+  positions = positions.to(at::kLong).contiguous();
+  if (positions.numel() > 0) {
+    const int64_t lo = positions.min().item<int64_t>(), hi = positions.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < cos.size(0), "rotary_neox_: position ", hi,
+                " is outside the RoPE cache of ", cos.size(0), " positions");
+  }
+  TORCH_CHECK(positions.numel() == q.size(0) && k.size(0) == q.size(0),
+              "rotary_neox_: one position per row of q and k");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_neox_",
+                                  [&] { rotary_kernel<scalar_t>(positions, q, k, cos, sin,
+                                                                head_dim); });
+}
+
+at::Tensor silu_and_mul(at::Tensor x) {
+  check_rows(x, "silu_and_mul");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: odd width");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul",
+                                  [&] { silu_and_mul_kernel<scalar_t>(x, out); });
+  return out;
+}

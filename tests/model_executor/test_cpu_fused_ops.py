@@ -1,0 +1,111 @@
+"""keel's fused CPU ops (keel/csrc/fused_ops.cpp) against the torch expressions they replace,
+and the layers that use them against their own torch paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from keel import cpu_ops
+from keel.model_executor.layers.layernorm import RMSNorm
+from keel.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.get_cpu_ops()
+    assert module is not None, "the CPU kernels must build on this machine"
+    return module
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of the dtype's precision at each value's magnitude."""
+    eps = torch.finfo(a.dtype).eps
+    a, b = a.float(), b.float()
+    return ((a - b).abs() / (eps * b.abs().clamp_min(1e-3))).max().item()
+
+
+def torch_rms_norm(x, w, eps):  # transformers' LlamaRMSNorm
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [576, 40])  # 40: a tail after the 16-wide vectors
+def test_rms_norm_and_fused_add(ops, dtype, n):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, n, generator=g).to(dtype)
+    res = torch.randn(37, n, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+    assert ulps(ops.rms_norm(x, w, 1e-5), torch_rms_norm(x, w, 1e-5)) <= 4  # the variance sums in another order
+
+    want_sum = x + res
+    want = torch_rms_norm(want_sum, w, 1e-5)
+    xi, ri = x.clone(), res.clone()
+    ops.fused_add_rms_norm_(xi, ri, w, 1e-5)
+    assert torch.equal(ri, want_sum)  # the add rounds exactly as torch's
+    assert ulps(xi, want) <= 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rotary_in_place_equals_torch_path(ops, monkeypatch, dtype, partial):
+    """Strided q/k views of one fused qkv output, rotated in place: bit-identical to the torch
+    expression (same roundings, no FMA), including partial rotary dims."""
+    config = LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": partial})
+    head_dim, hq, hk = 64, 6, 2
+    rope = RotaryEmbedding(config, head_dim, 512)
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(23, (hq + 2 * hk) * head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 512, (23,), generator=g)
+
+    monkeypatch.setattr("keel.model_executor.layers.rotary_embedding.cpu_ops_for",
+                        lambda t: None)
+    q, k, _ = qkv.clone().split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    want_q, want_k = rope(positions, q, k)
+    monkeypatch.undo()
+
+    buf = qkv.clone()
+    q, k, v = buf.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    got_q, got_k = rope(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(v, qkv[:, (hq + hk) * head_dim:])  # v untouched
+
+
+def test_rotary_rejects_positions_outside_the_cache(ops):
+    cos = torch.ones(8, 64)
+    q, k = torch.zeros(2, 64), torch.zeros(2, 64)
+    with pytest.raises(RuntimeError, match="outside the RoPE cache"):
+        ops.rotary_neox_(torch.tensor([3, 8]), q, k, cos, cos, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(ops, dtype):
+    g = torch.Generator().manual_seed(2)
+    x = (4 * torch.randn(19, 2 * 1544, generator=g)).to(dtype)  # 1544: a tail of 8
+    x[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # saturated and zero lanes
+    gate, up = x.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = ops.silu_and_mul(x)
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    else:  # one rounding of silu may land on the neighbouring bfloat16 value
+        assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_layer_kernel_and_torch_paths_agree(monkeypatch, dtype):
+    norm = RMSNorm(64, 1e-6, dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(64)).to(dtype)
+    x, res = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype)
+    got_x, got_res = norm(x.clone(), res.clone())
+    monkeypatch.setattr("keel.model_executor.layers.layernorm.cpu_ops_for", lambda t: None)
+    want_x, want_res = norm(x, res)
+    assert torch.equal(got_res, want_res)
+    assert ulps(got_x, want_x) <= 4

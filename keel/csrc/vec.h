@@ -59,6 +59,14 @@ template <typename T>
 inline v16 round_to(v16 v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    u32x16 bits;  // store16's rounding, kept in the top half of a float32
+    std::memcpy(&bits, &v, sizeof(bits));
+    const u32x16 rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000u;
+    const u32x16 out = v != v ? u32x16{} + 0x7FC00000u : rounded;
+    v16 r;
+    std::memcpy(&r, &out, sizeof(r));
+    return r;
   } else {
     T tmp[16];
     store16(tmp, v);
@@ -79,9 +87,12 @@ inline float hsum(v16 v) {  // tree reduction: 4 shuffles + adds instead of 15 s
 inline v16 exp16(v16 x) {
   const v16 lo = v16{} - 87.0f;
   x = x < lo ? lo : x;
-  v16 t = x * 1.4426950408889634f;
-  v16 k;
-  for (int i = 0; i < 16; ++i) k[i] = __builtin_roundevenf(t[i]);
+  const v16 t = x * 1.4426950408889634f;
+  // Round to nearest even without a per-lane call: adding and subtracting 1.5 * 2^23 leaves
+  // the integer part (exact for |t| < 2^22; here t >= -126). Needs IEEE arithmetic: keel's
+  // kernels are never built with -ffast-math.
+  const v16 magic = v16{} + 12582912.0f;
+  const v16 k = (t + magic) - magic;
   const v16 f = (t - k) * 0.6931471805599453f;  // f = (t - k) ln 2
   v16 p = v16{} + 1.0f / 720;
   p = p * f + 1.0f / 120;

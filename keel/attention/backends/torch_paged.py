@@ -32,8 +32,11 @@ import torch.nn.functional as F
 
 from keel.cpu_ops import get_cpu_ops
 
-# The CPU kernel's cost per query token grows with its context (one pass over its keys), SDPA
-# shares each key among a request's queries: measured crossover ~ this many queries per request.
+# The CPU kernel's cost per query token grows with its context (one pass over its keys); SDPA
+# shares each key among a request's queries but pads every request to the longest. Measured on
+# 2 cores (9 heads, 3 KV heads, head_dim 64, float32, prompts without context): at 256 queries
+# per request the two tie for one request and the kernel is 1.4x faster for eight; at 512 SDPA
+# is 15% faster for one request, the kernel still 1.4x faster for four.
 CPU_KERNEL_MAX_QUERY_LEN = 256
 
 

@@ -6,6 +6,8 @@
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_table, at::Tensor seq_lens,
                            std::optional<at::Tensor> rows, double scale, int64_t sliding_window);
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
+                    at::Tensor value_cache, at::Tensor slot_mapping);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rotary_neox_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
@@ -14,6 +16,7 @@ at::Tensor silu_and_mul(at::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention, one query token per row");
+  m.def("write_kv_cache", &write_kv_cache, "this pass's K/V rows into their cache slots");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("fused_add_rms_norm_", &fused_add_rms_norm_, "residual += x; x = RMSNorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "rotate-half RoPE of q and k, in place");

@@ -199,11 +199,10 @@ void rotary_neox_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor c
   TORCH_CHECK(q.size(1) % head_dim == 0 && k.size(1) % head_dim == 0,
               "rotary_neox_: width not a multiple of head_dim");
   positions = positions.to(at::kLong).contiguous();
-  if (positions.numel() > 0) {
-    const int64_t lo = positions.min().item<int64_t>(), hi = positions.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < cos.size(0), "rotary_neox_: position ", hi,
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_neox_: position ", pos[t],
                 " is outside the RoPE cache of ", cos.size(0), " positions");
-  }
   TORCH_CHECK(positions.numel() == q.size(0) && k.size(0) == q.size(0),
               "rotary_neox_: one position per row of q and k");
   cos = cos.contiguous();

@@ -93,6 +93,8 @@ def test_long_chunk_takes_the_torch_path(monkeypatch):
     monkeypatch.setattr(torch_paged, "CPU_KERNEL_MAX_QUERY_LEN", 8)
 
     class NoKernel:
+        write_kv_cache = staticmethod(get_cpu_ops().write_kv_cache)
+
         def paged_attention(self, *args):
             raise AssertionError("the kernel must not take a 9-query chunk")
 
@@ -129,3 +131,22 @@ def test_kernel_build_failure_falls_back(monkeypatch):
     monkeypatch.setattr(cpu_ops, "_tried", False)
     monkeypatch.setenv("KEEL_CPU_KERNEL", "0")
     assert cpu_ops.get_cpu_ops() is None
+
+
+def test_kernel_kv_write_matches_index_copy_and_checks_slots():
+    """The compiled K/V write puts strided rows where index_copy_ does, and refuses a slot
+    outside the cache instead of writing past it."""
+    ops = get_cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(3)
+    cache = torch.zeros(2, 6, 4, 3, 8)
+    want = cache.clone()
+    kv = torch.randn(5, 2 * 3 * 8, generator=g)  # one [T, k | v] buffer: strided rows
+    key, value = kv[:, :24].view(5, 3, 8), kv[:, 24:].view(5, 3, 8)
+    slots = torch.tensor([7, 0, 23, 12, 5])
+    want[0].view(-1, 3, 8).index_copy_(0, slots, key)
+    want[1].view(-1, 3, 8).index_copy_(0, slots, value)
+    ops.write_kv_cache(key, value, cache[0], cache[1], slots)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.write_kv_cache(key, value, cache[0], cache[1], torch.tensor([0, 1, 2, 3, 24]))

@@ -137,6 +137,10 @@ def write_kv_cache(
 ) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim] -> their slots in the cache."""
     _, _, _, h, d = kv_cache.shape
+    ops = get_cpu_ops() if kv_cache.device.type == "cpu" else None
+    if ops is not None and key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype:
+        ops.write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+        return
     kv_cache[0].view(-1, h, d).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     kv_cache[1].view(-1, h, d).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 

@@ -43,7 +43,7 @@ def onednn_gemm_supported(weight: torch.Tensor) -> bool:
     has native support), unless `KEEL_ONEDNN_GEMM=0`."""
     if weight.device.type != "cpu" or os.environ.get("KEEL_ONEDNN_GEMM", "1") == "0":
         return False
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available() or _linear_pointwise is None:
         return False
     if weight.dtype == torch.float32:
         return True
@@ -58,7 +58,19 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return _linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _resolve_linear_pointwise():
+    """The op's overload, resolved once (the overload packet resolves it on every call);
+    None in a torch built without oneDNN."""
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_linear_pointwise = _resolve_linear_pointwise()
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:

@@ -55,6 +55,15 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
 
+def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True) -> None:
+    """Pack `module.weight` into `module.packed_weight` where oneDNN can take it, and (unless
+    told to keep it) release the dense copy, as vLLM's CPU backend does."""
+    if module.packed_weight is None and onednn_gemm_supported(module.weight):
+        module.packed_weight = pack_weight(module.weight)
+        if release_dense:
+            module.weight = nn.Parameter(module.weight.new_empty(0), False)
+
+
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -95,9 +104,7 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for oneDNN on the CPU and release the dense copy."""
-        if self.packed_weight is None and onednn_gemm_supported(self.weight):
-            self.packed_weight = pack_weight(self.weight)
-            self.weight = nn.Parameter(self.weight.new_empty(0), False)
+        pack_for_cpu_gemm(self)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:

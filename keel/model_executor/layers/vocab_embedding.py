@@ -12,8 +12,7 @@ from keel.distributed import (
 )
 from keel.model_executor.layers.linear import (
     default_weight_loader,
-    onednn_gemm_supported,
-    pack_weight,
+    pack_for_cpu_gemm,
     packed_linear,
 )
 
@@ -56,10 +55,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self) -> None:
         """Pack for oneDNN on the CPU (see linear.py). A tied weight stays: the embedding
         still looks rows up in it."""
-        if self.packed_weight is None and onednn_gemm_supported(self.weight):
-            self.packed_weight = pack_weight(self.weight)
-            if not self.tied:
-                self.weight = nn.Parameter(self.weight.new_empty(0), False)
+        pack_for_cpu_gemm(self, release_dense=not self.tied)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] (only the rows to be sampled) -> [n, vocab] in float32."""

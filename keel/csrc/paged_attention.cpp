@@ -228,7 +228,7 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
 
 // Writes this pass's keys and values into their cache slots: row t of key/value [T, Hkv, D]
 // (rows may be strided) goes to slot slot_mapping[t] of key_cache/value_cache
-// [num_blocks * block_size, Hkv, D]. One copy per row, where index_copy_ pays ~35 us a call.
+// [num_blocks, block_size, Hkv, D]. One copy per row, where index_copy_ paid ~35 us a call.
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
                     at::Tensor value_cache, at::Tensor slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4,

@@ -5,7 +5,8 @@ Token t of the flat batch writes its K/V at `slot_mapping[t]` (= block_id * bloc
 request r reads its keys through its row of the block table.
 
 The kernel is vectorised over the whole batch, with no Python loop over tokens or requests:
-  1. scatter this pass's K/V into the cache (one `index_copy_` each),
+  1. scatter this pass's K/V into the cache (one `index_copy_` each; on the CPU, keel's
+     compiled copy),
   2. gather every request's blocks into a padded `[num_reqs, kv_len]` view (one `index_select`
      over whole blocks, kv_len = max_seq_len rounded up to a block),
   3. scatter the flat queries into a padded `[num_reqs, max_query_len]` view,

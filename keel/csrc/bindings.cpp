@@ -1,5 +1,7 @@
-// Python bindings of keel's CPU kernels (built by keel/cpu_ops.py).
-#include <torch/extension.h>
+// Python bindings of keel's CPU kernels (built by keel/cpu_ops.py). torch's pybind11 casters
+// for tensors only: the whole of torch/extension.h took ~15 s more to compile.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 

@@ -5,7 +5,15 @@
 // torch's numbers.
 #pragma once
 
-#include <torch/extension.h>
+// ATen's core only (not torch/extension.h, which bindings.cpp alone needs): parsing the whole
+// torch API took ~15 s per source file of the first-use build.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include <cmath>
 #include <cstdint>

@@ -11,8 +11,8 @@
 They are built with torch's JIT extension builder the first time they are needed (~15 s on 2
 cores: the sources include ATen's core headers, not all of torch/extension.h; cached under
 ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), with `-march=native`, and used only on
-the CPU. If they cannot be built (no compiler), keel logs why
-and keeps the torch code. `KEEL_CPU_KERNEL=0` turns them all off.
+the CPU. If they cannot be built (no compiler), keel logs why and keeps the torch code.
+`KEEL_CPU_KERNEL=0` turns them all off.
 """
 
 from __future__ import annotations

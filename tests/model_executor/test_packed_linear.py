@@ -37,9 +37,12 @@ def test_packed_layers_compute_f_linear(dtype, bias):
         x = torch.randn(7, layer.input_size, generator=g).to(dtype)
         want = F.linear(x.float(), dense_w.float(), None if not bias else layer.bias.float())
 
+        # float32 always packs; bfloat16 only where this CPU has native bf16 (else F.linear).
+        should_pack = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
         layer.process_weights_after_loading()
-        assert layer.packed_weight is not None, "float32/bfloat16 on this CPU must pack"
-        assert layer.weight.numel() == 0, "the dense copy is released"
+        assert (layer.packed_weight is not None) == should_pack
+        if should_pack:
+            assert layer.weight.numel() == 0, "the dense copy is released"
         got = layer(x)
         assert got.dtype == dtype and got.shape == want.shape
         assert (got.float() - want).abs().max().item() < TOL[dtype] * want.abs().max().item()

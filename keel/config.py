@@ -45,6 +45,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str = "auto"
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
     # Filled in by __post_init__.
     model_path: Path = field(init=False)
     hf_config: Any = field(init=False, repr=False)
@@ -60,6 +61,8 @@ class ModelConfig:
         resolve_architecture(self.hf_config)  # fail early on an unsupported architecture
         self.torch_dtype = self._resolve_dtype()
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}.")
         if self.max_model_len is None:
             self.max_model_len = limit
         elif self.max_model_len <= 0:

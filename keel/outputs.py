@@ -4,6 +4,42 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+# ---- logprobs ---------------------------------------------------------------------------------
+
+
+class LogprobsLists(NamedTuple):
+    """Logprobs of k+1 tokens for each of m positions (NumPy, on the CPU). Column 0 is the token
+    that was sampled (or, for prompt logprobs, the prompt's next token); columns 1..k are the
+    top-k tokens in descending order. `ranks` is column 0's rank in the full vocabulary
+    (1 = most likely)."""
+
+    logprob_token_ids: np.ndarray  # [m, k + 1] int64
+    logprobs: np.ndarray  # [m, k + 1] float32
+    ranks: np.ndarray  # [m] int64
+
+    def slice(self, start: int, end: int) -> LogprobsLists:
+        return LogprobsLists(self.logprob_token_ids[start:end], self.logprobs[start:end],
+                             self.ranks[start:end])
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's entry in a logprobs dict, as vLLM returns it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token; one per prompt token (None for the first, which has no context).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+# ---- worker -> engine core ----------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -12,9 +48,15 @@ class ModelRunnerOutput:
     req_id_to_index: dict[str, int]
     # One list per request, in req_ids order; empty for rows discarded (still prefilling).
     sampled_token_ids: list[list[int]]
+    # Rows in req_ids order, one position each; None when no request in the batch asked.
+    logprobs: LogprobsLists | None = None
+    # req_id -> this pass's chunk of prompt logprobs, for requests that asked for them.
+    prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+# ---- engine core -> front end -------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -22,8 +64,10 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None  # the stop token id (or, front end, stop string)
     num_preemptions: int = 0
+    new_logprobs: LogprobsLists | None = None  # one row per new token
+    new_prompt_logprobs: LogprobsLists | None = None  # one row per prompt position this pass
 
     @property
     def finished(self) -> bool:
@@ -35,14 +79,18 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     finished_requests: set[str] = field(default_factory=set)
 
+# ---- front end -> user --------------------------------------------------------------------------
+
 
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | None = None
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string, when "stop"
 
     @property
     def finished(self) -> bool:
@@ -56,3 +104,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None

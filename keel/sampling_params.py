@@ -1,35 +1,153 @@
-"""SamplingParams: how one request is decoded. Checked when the request is added, so a bad
-value is an error for that request alone."""
+"""SamplingParams: how one request is decoded, with vLLM's fields, defaults and meanings.
+
+Values are checked at construction (a ValueError that names the field and its allowed range);
+what needs the model (token ids inside the vocabulary, `logprobs` against the engine's
+`max_logprobs`, bad words as token ids) is checked when the request is added, so a bad value is
+an error for that request alone."""
 
 from __future__ import annotations
 
+import copy
+import enum
+import math
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output carries everything generated so far
+    DELTA = 1  # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+_GREEDY_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0
+    n: int = 1
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
-    max_tokens: int | None = 16  # None: up to max_model_len
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    min_p: float = 0.0
     seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top logprobs per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (plus the prompt's)
+    detokenize: bool = True
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    # Filled when the request is added (InputProcessor), from the tokenizer and the model.
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
-        self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.output_kind = RequestOutputKind(self.output_kind)
+        self._verify()
+        self._all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def number(name: str, value, rng: str, ok: bool) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number {rng}, got {value!r}.")
+            if not math.isfinite(value) or not ok:
+                raise ValueError(f"{name} must be {rng}, got {value}.")
+
+        def integer(name: str, value, rng: str, ok: bool) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or not ok:
+                raise ValueError(f"{name} must be an integer {rng}, got {value!r}.")
+
+        integer("n", self.n, ">= 1", isinstance(self.n, int) and self.n >= 1)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            number(name, v, "in [-2, 2]", isinstance(v, (int, float)) and -2.0 <= v <= 2.0)
+        r = self.repetition_penalty
+        number("repetition_penalty", r, "> 0", isinstance(r, (int, float)) and r > 0)
+        t = self.temperature
+        number("temperature", t, ">= 0", isinstance(t, (int, float)) and t >= 0)
+        p = self.top_p
+        number("top_p", p, "in (0, 1]", isinstance(p, (int, float)) and 0 < p <= 1)
+        k = self.top_k
+        integer("top_k", k, ">= 1, or 0 / -1 (disabled)", isinstance(k, int) and k >= 0)
+        m = self.min_p
+        number("min_p", m, "in [0, 1]", isinstance(m, (int, float)) and 0 <= m <= 1)
+        if self.seed is not None:
+            integer("seed", self.seed, "(or None)", True)
+        if self.max_tokens is not None:
+            integer("max_tokens", self.max_tokens, ">= 1 (or None)",
+                    isinstance(self.max_tokens, int) and self.max_tokens >= 1)
+        mt = self.min_tokens
+        integer("min_tokens", mt, ">= 0", isinstance(mt, int) and mt >= 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got "
+                             f"{self.min_tokens}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None:
+                integer(name, v, ">= 0 (or None)", isinstance(v, int) and v >= 0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True: pass detokenize=True, or "
+                             "use stop_token_ids.")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for t in getattr(self, name) or []:
+                integer(f"{name} entries", t, ">= 0", isinstance(t, int) and t >= 0)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty: pass None to allow every "
+                             "token.")
+        for tok, bias in (self.logit_bias or {}).items():
+            number(f"logit_bias[{tok}]", bias, "a finite number", True)
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words must hold non-empty strings, got {w!r}.")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """stop_token_ids plus the model's EOS (unless ignore_eos), set when the request is
+        added: what `min_tokens` masks."""
+        return self._all_stop_token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        return self._bad_words_token_ids
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self) -> SamplingParams:
+        """A copy that can be changed (filled per request) without touching the caller's."""
+        new = copy.copy(self)
+        new._all_stop_token_ids = set(self._all_stop_token_ids)
+        new._bad_words_token_ids = list(self._bad_words_token_ids)
+        return new

@@ -180,24 +180,35 @@ class Scheduler:
         stopped: list[Request] = []
         sampled = model_runner_output.sampled_token_ids
         index_of = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs_dict
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             row = index_of.get(req_id)
-            if request is None or row is None or not sampled[row]:
-                continue  # aborted during the step, or still prefilling (row discarded)
+            if request is None or row is None:
+                continue  # aborted during the step
             new_token_ids = sampled[row]
+            new_prompt_logprobs = prompt_logprobs.get(req_id)
+            if not new_token_ids and new_prompt_logprobs is None:
+                continue  # still prefilling (row discarded), nothing to report
             for i, token in enumerate(new_token_ids):
                 request.output_token_ids.append(token)
                 if self._check_stop(request):
                     new_token_ids = new_token_ids[: i + 1]
                     stopped.append(request)
                     break
+            new_logprobs = None
+            if new_token_ids and logprobs is not None \
+                    and request.sampling_params.logprobs is not None:
+                new_logprobs = logprobs.slice(row, row + 1)
             outputs.append(EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_token_ids,
                 finish_reason=request.get_finished_reason(),
                 stop_reason=request.stop_reason,
                 num_preemptions=request.num_preemptions,
+                new_logprobs=new_logprobs,
+                new_prompt_logprobs=new_prompt_logprobs,
             ))
         if stopped:
             stopped_ids = {r.request_id for r in stopped}
@@ -207,15 +218,18 @@ class Scheduler:
         return {0: EngineCoreOutputs(outputs, {r.request_id for r in stopped})}
 
     def _check_stop(self, request: Request) -> bool:
+        """EOS (unless ignore_eos) and the stop token ids, once min_tokens are out; then the
+        length cap. A stop token that is also the last allowed one reports "stop". Stop strings
+        are the front end's (they need text)."""
         sp = request.sampling_params
+        num_output = len(request.output_token_ids)
         last = request.output_token_ids[-1]
-        if not sp.ignore_eos and last == request.eos_token_id:
+        if num_output >= sp.min_tokens and not sp.ignore_eos and last == request.eos_token_id:
             request.status = RequestStatus.FINISHED_STOPPED
-        elif last in sp.stop_token_ids:
+        elif num_output >= sp.min_tokens and last in sp.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
-        elif (len(request.output_token_ids) >= request.max_tokens
-              or request.num_tokens >= self.max_model_len):
+        elif num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         else:
             return False

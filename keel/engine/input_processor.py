@@ -15,6 +15,7 @@ from keel.sampling_params import SamplingParams
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
         self.max_model_len = config.model_config.max_model_len
+        self.max_logprobs = config.model_config.max_logprobs
         self.vocab_size = config.model_config.vocab_size
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_id if tokenizer is not None else None
@@ -68,9 +69,7 @@ class InputProcessor:
                 f"max_model_len={self.max_model_len}, so max_tokens must be <= "
                 f"{self.max_model_len - n}."
             )
-        for t in params.stop_token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"stop_token_ids contains {t}, outside [0, {self.vocab_size}).")
+        params = self._check_params(params)
         return Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -78,3 +77,44 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             max_tokens=max_tokens,
         ), text
+
+    def _check_params(self, params: SamplingParams) -> SamplingParams:
+        """What SamplingParams cannot check alone (it needs the model and the tokenizer).
+        Returns the request's own copy, with its stop ids and bad-word token ids filled in."""
+        vocab = self.vocab_size
+        ids = {
+            "stop_token_ids": params.stop_token_ids,
+            "allowed_token_ids": params.allowed_token_ids or [],
+            "logit_bias": list(params.logit_bias or {}),
+        }
+        for name, values in ids.items():
+            bad = [t for t in values if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} contains token id(s) {bad[:5]}, outside the "
+                                 f"vocabulary [0, {vocab}).")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name}={value} is more than this engine returns: pass at "
+                                 f"most {self.max_logprobs} (or raise max_logprobs).")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            raise ValueError("stop strings and bad_words need a tokenizer, and this model has "
+                             "none: use stop_token_ids instead.")
+        params = params.clone()
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos and self.eos_token_id is not None:
+            stop_ids.add(self.eos_token_id)
+        params._all_stop_token_ids = stop_ids
+        params._bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        return params
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, with and without a leading space (a word reads
+        differently at the start of the text and after a space), as vLLM does."""
+        out: list[list[int]] = []
+        for word in bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out and all(0 <= t < self.vocab_size for t in ids):
+                    out.append(ids)
+        return out

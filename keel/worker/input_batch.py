@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from keel.sample.metadata import SamplingMetadata
+from keel.sample.metadata import MinTokens, Penalties, SamplingMetadata, TokenHistory
 from keel.sampling_params import SamplingParams
 from keel.worker.block_table import BlockTable
 from keel.worker.buffers import CpuGpuBuffer
@@ -33,6 +33,9 @@ class CachedRequestState:
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # Prompt positions whose logprobs were already returned (a preempted request recomputes
+    # its prompt; it must not send them twice).
+    num_prompt_logprobs_done: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -42,11 +45,12 @@ class CachedRequestState:
 class InputBatch:
     def __init__(
         self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
-        block_size: int, device: torch.device,
+        block_size: int, device: torch.device, vocab_size: int | None = None,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
+        self.vocab_size = vocab_size
         # Row -> req_id, None for a hole. After condense() it is exactly the batch, in row order
         # (len == num_reqs), so `for r in input_batch.req_ids` visits every request once.
         self.req_ids: list[str | None] = []
@@ -69,11 +73,39 @@ class InputBatch:
         self.temperature = CpuGpuBuffer(max_num_reqs, dtype=torch.float32, device=device)
         self.top_p = CpuGpuBuffer(max_num_reqs, dtype=torch.float32, device=device)
         self.top_k = CpuGpuBuffer(max_num_reqs, dtype=torch.int64, device=device)
+        self.min_p = CpuGpuBuffer(max_num_reqs, dtype=torch.float32, device=device)
+        self.presence_penalties = CpuGpuBuffer(max_num_reqs, dtype=torch.float32, device=device)
+        self.frequency_penalties = CpuGpuBuffer(max_num_reqs, dtype=torch.float32, device=device)
+        self.repetition_penalties = CpuGpuBuffer(max_num_reqs, dtype=torch.float32,
+                                                 device=device)
+        # The per-row scalars, moved together by condense() and swap_states().
+        self._row_arrays = (
+            self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu,
+            self.temperature.np, self.top_p.np, self.top_k.np, self.min_p.np,
+            self.presence_penalties.np, self.frequency_penalties.np, self.repetition_penalties.np,
+        )
         self.greedy_reqs: set[str] = set()
         self.random_reqs: set[str] = set()
         self.top_p_reqs: set[str] = set()
         self.top_k_reqs: set[str] = set()
-        self.generators: dict[int, torch.Generator] = {}  # row -> per-request seeded generator
+        self.min_p_reqs: set[str] = set()
+        self.penalty_reqs: set[str] = set()
+        self._feature_sets = (self.greedy_reqs, self.random_reqs, self.top_p_reqs,
+                              self.top_k_reqs, self.min_p_reqs, self.penalty_reqs)
+
+        # Sparse per-row state, keyed by row (only rows that use the feature have an entry).
+        self.generators: dict[int, torch.Generator] = {}  # per-request seeded generator
+        self.logit_bias: dict[int, dict[int, float]] = {}
+        self.allowed_token_ids: dict[int, list[int]] = {}
+        self.bad_words_token_ids: dict[int, list[list[int]]] = {}
+        self.min_tokens: dict[int, tuple[int, set[int]]] = {}  # row -> (min, stop ids)
+        self._row_dicts = (self.generators, self.logit_bias, self.allowed_token_ids,
+                           self.bad_words_token_ids, self.min_tokens)
+        # Keyed by req_id: these do not depend on the row.
+        self.num_logprobs: dict[str, int] = {}
+        self.num_prompt_logprobs: dict[str, int] = {}
+        # [max_num_reqs, vocab] bool, True = not allowed; made on first use.
+        self._allowed_mask: torch.Tensor | None = None
         self.sampling_metadata: SamplingMetadata | None = None
 
     @property
@@ -115,8 +147,28 @@ class InputBatch:
         self.top_k.np[req_index] = sp.top_k
         if sp.top_k > 0:
             self.top_k_reqs.add(req_id)
+        self.min_p.np[req_index] = sp.min_p
+        if sp.min_p > 0.0:
+            self.min_p_reqs.add(req_id)
+        self.presence_penalties.np[req_index] = sp.presence_penalty
+        self.frequency_penalties.np[req_index] = sp.frequency_penalty
+        self.repetition_penalties.np[req_index] = sp.repetition_penalty
+        if sp.has_penalties:
+            self.penalty_reqs.add(req_id)
         if request.generator is not None:
             self.generators[req_index] = request.generator
+        if sp.logit_bias:
+            self.logit_bias[req_index] = sp.logit_bias
+        if sp.allowed_token_ids is not None:
+            self.allowed_token_ids[req_index] = sp.allowed_token_ids
+        if sp.bad_words_token_ids:
+            self.bad_words_token_ids[req_index] = sp.bad_words_token_ids
+        if sp.min_tokens > 0 and sp.all_stop_token_ids:
+            self.min_tokens[req_index] = (sp.min_tokens, sp.all_stop_token_ids)
+        if sp.logprobs is not None:
+            self.num_logprobs[req_id] = sp.logprobs
+        if sp.prompt_logprobs is not None and request.num_prompt_logprobs_done < n_prompt - 1:
+            self.num_prompt_logprobs[req_id] = sp.prompt_logprobs
         self.sampling_metadata = None  # membership changed: rebuilt in refresh_metadata
         return req_index
 
@@ -126,9 +178,12 @@ class InputBatch:
             return None
         self.req_ids[req_index] = None
         heapq.heappush(self._free_rows, req_index)
-        for s in (self.greedy_reqs, self.random_reqs, self.top_p_reqs, self.top_k_reqs):
+        for s in self._feature_sets:
             s.discard(req_id)
-        self.generators.pop(req_index, None)
+        for d in self._row_dicts:
+            d.pop(req_index, None)
+        self.num_logprobs.pop(req_id, None)
+        self.num_prompt_logprobs.pop(req_id, None)
         self.sampling_metadata = None
         return req_index
 
@@ -150,12 +205,12 @@ class InputBatch:
         req_id = self.req_ids[src]
         n = self.num_tokens[src]
         self.token_ids_cpu[tgt, :n] = self.token_ids_cpu[src, :n]
-        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu,
-                    self.temperature.np, self.top_p.np, self.top_k.np):
+        for arr in self._row_arrays:
             arr[tgt] = arr[src]
         self.block_table.move_row(src, tgt)
-        if src in self.generators:
-            self.generators[tgt] = self.generators.pop(src)
+        for d in self._row_dicts:
+            if src in d:
+                d[tgt] = d.pop(src)
         self.req_ids[tgt], self.req_ids[src] = req_id, None
         self.req_id_to_index[req_id] = tgt
         self.sampling_metadata = None
@@ -166,15 +221,15 @@ class InputBatch:
         na, nb = self.num_tokens[a], self.num_tokens[b]
         rows = self.token_ids_cpu[[a, b], : max(na, nb)].copy()
         self.token_ids_cpu[a, :nb], self.token_ids_cpu[b, :na] = rows[1, :nb], rows[0, :na]
-        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu,
-                    self.temperature.np, self.top_p.np, self.top_k.np):
+        for arr in self._row_arrays:
             arr[[a, b]] = arr[[b, a]]
         self.block_table.swap_row(a, b)
-        ga, gb = self.generators.pop(a, None), self.generators.pop(b, None)
-        if ga is not None:
-            self.generators[b] = ga
-        if gb is not None:
-            self.generators[a] = gb
+        for d in self._row_dicts:
+            va, vb = d.pop(a, None), d.pop(b, None)
+            if va is not None:
+                d[b] = va
+            if vb is not None:
+                d[a] = vb
         self.req_ids[a], self.req_ids[b] = rb, ra
         self.req_id_to_index[rb], self.req_id_to_index[ra] = a, b
         self.sampling_metadata = None
@@ -183,19 +238,72 @@ class InputBatch:
 
     def refresh_metadata(self) -> None:
         """Push the settled arrangement's sampling parameters to the device. Rebuilt only when
-        membership or order changed since the last pass; a steady decode batch reuses it."""
+        membership or order changed since the last pass; a steady decode batch reuses it.
+        Each feature is built from its own request set or row dict, so one nobody uses is None
+        and costs nothing."""
         if self.sampling_metadata is not None:
             return
         n = self.num_reqs
         all_greedy = len(self.random_reqs) == 0
-        self.sampling_metadata = SamplingMetadata(
+        meta = SamplingMetadata(
             temperature=None if all_greedy else self.temperature.copy_to_gpu(n),
             all_greedy=all_greedy,
             all_random=len(self.greedy_reqs) == 0,
             top_p=None if not self.top_p_reqs else self.top_p.copy_to_gpu(n),
             top_k=None if not self.top_k_reqs else self.top_k.copy_to_gpu(n),
             generators=dict(self.generators),
+            min_p=None if not self.min_p_reqs else self.min_p.copy_to_gpu(n),
+            max_num_logprobs=max(self.num_logprobs.values()) if self.num_logprobs else None,
         )
+        if self.penalty_reqs:
+            rows_np = np.sort(np.fromiter((self.req_id_to_index[r] for r in self.penalty_reqs),
+                                          dtype=np.int64))
+            rows = torch.from_numpy(rows_np).to(self.device)
+            meta.penalties = Penalties(
+                rows=rows, rows_np=rows_np,
+                presence=self.presence_penalties.copy_to_gpu(n)[rows],
+                frequency=self.frequency_penalties.copy_to_gpu(n)[rows],
+                repetition=self.repetition_penalties.copy_to_gpu(n)[rows],
+            )
+        if self.logit_bias:
+            rows_l, ids, vals = [], [], []
+            for row, bias in self.logit_bias.items():
+                rows_l += [row] * len(bias)
+                ids += bias.keys()
+                vals += bias.values()
+            meta.logit_bias = (torch.tensor(rows_l, device=self.device),
+                               torch.tensor(ids, device=self.device),
+                               torch.tensor(vals, dtype=torch.float32, device=self.device))
+        if self.allowed_token_ids:
+            assert self.vocab_size is not None, "allowed_token_ids needs the vocabulary size"
+            if self._allowed_mask is None:
+                self._allowed_mask = torch.ones(self.max_num_reqs, self.vocab_size,
+                                                dtype=torch.bool, device=self.device)
+            rows = sorted(self.allowed_token_ids)
+            mask = self._allowed_mask[: len(rows)]
+            mask.fill_(True)
+            for i, row in enumerate(rows):
+                mask[i, self.allowed_token_ids[row]] = False
+            meta.allowed_token_ids_mask = (torch.tensor(rows, device=self.device), mask)
+        if self.bad_words_token_ids:
+            meta.bad_words_token_ids = dict(self.bad_words_token_ids)
+        if self.min_tokens:
+            rows = sorted(self.min_tokens)
+            pair_pos, pair_ids = [], []
+            for i, row in enumerate(rows):
+                stop_ids = self.min_tokens[row][1]
+                pair_pos += [i] * len(stop_ids)
+                pair_ids += stop_ids
+            meta.min_tokens = MinTokens(
+                rows_np=np.array(rows, dtype=np.int64),
+                min_tokens=np.array([self.min_tokens[r][0] for r in rows], dtype=np.int64),
+                pair_row_pos=np.array(pair_pos, dtype=np.int64),
+                pair_token_ids=np.array(pair_ids, dtype=np.int64),
+            )
+        if meta.penalties or meta.bad_words_token_ids or meta.min_tokens:
+            meta.history = TokenHistory(self.token_ids_cpu_tensor, self.num_tokens,
+                                        self.num_prompt_tokens)
+        self.sampling_metadata = meta
 
     def append_sampled_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Write this pass's sampled tokens into the kept rows (vectorised)."""

@@ -24,8 +24,8 @@ from keel.attention.layer import allocate_kv_caches
 from keel.config import EngineConfig
 from keel.core.sched_output import SchedulerOutput
 from keel.model_executor.loader import load_model
-from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from keel.sample.sampler import Sampler
+from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+from keel.sample.sampler import Sampler, gather_logprobs
 from keel.worker.buffers import CpuGpuBuffer
 from keel.worker.input_batch import CachedRequestState, InputBatch
 
@@ -58,7 +58,8 @@ class ModelRunner:
         # The long-lived record (req_id -> state) and the per-pass working set.
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(
-            self.max_num_reqs, self.max_model_len, self.max_num_tokens, self.block_size, device
+            self.max_num_reqs, self.max_model_len, self.max_num_tokens, self.block_size, device,
+            vocab_size=config.model_config.vocab_size,
         )
         self.execute_model_state: ExecuteModelState | None = None
         self.sampler = Sampler(self.max_num_reqs)
@@ -344,8 +345,8 @@ class ModelRunner:
             # output would depend on how its prompt was chunked (or whether it was preempted).
             kept = {row: g for row, g in meta.generators.items() if not discard[row]}
             meta = dataclasses.replace(meta, generators=kept)
-        sampled = self.sampler(state.logits, meta)  # [num_reqs]
-        sampled_np = sampled.cpu().numpy()
+        sampler_output = self.sampler(state.logits, meta)
+        sampled_np = sampler_output.sampled_token_ids.cpu().numpy()  # [num_reqs]
         kept_rows = np.flatnonzero(~discard)
         kept_tokens = sampled_np[kept_rows]
         batch.append_sampled_tokens(kept_rows, kept_tokens)
@@ -355,8 +356,47 @@ class ModelRunner:
         for row, token in zip(kept_rows.tolist(), kept_tokens.tolist()):
             self.requests[req_ids[row]].output_token_ids.append(token)
             sampled_token_ids[row] = [token]
+        prompt_logprobs_dict = {}
+        if batch.num_prompt_logprobs:  # only requests that asked pay for this
+            prompt_logprobs_dict = self._get_prompt_logprobs_dict(state.hidden_states)
         return ModelRunnerOutput(
             req_ids=list(req_ids),
             req_id_to_index=dict(batch.req_id_to_index),
             sampled_token_ids=sampled_token_ids,
+            logprobs=sampler_output.logprobs,
+            prompt_logprobs_dict=prompt_logprobs_dict,
         )
+
+    def _get_prompt_logprobs_dict(self, hidden_states: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Logprobs of the prompt tokens this pass computed, for the requests that asked.
+        The hidden state at position p predicts token p + 1, so a chunk covering positions
+        [start, start + n) yields logprobs for prompt tokens start + 1 .. start + n (never past
+        the prompt). E.g. a 10-token prompt in chunks of 4: positions 0-3 -> tokens 1-4,
+        4-7 -> 5-8, 8-9 -> token 9 only (position 9's logits pick the first output token).
+        Every prompt row is projected to the vocabulary here, not only the last of each
+        request: that is the cost, and only these requests pay it."""
+        batch = self.input_batch
+        qsl = self.query_start_loc.np
+        out: dict[str, LogprobsLists] = {}
+        finished = []
+        for req_id, num_top in batch.num_prompt_logprobs.items():
+            row = batch.req_id_to_index[req_id]
+            state = self.requests[req_id]
+            start = int(batch.num_computed_tokens_cpu[row])  # the pass's first position
+            num_prompt = len(state.prompt_token_ids)
+            # A resumed request recomputes its prompt: skip what was already sent.
+            first = max(start, state.num_prompt_logprobs_done)
+            last = min(start + int(self.num_scheduled_tokens_np[row]), num_prompt - 1)
+            if last <= first:
+                continue
+            offset = int(qsl[row]) - start
+            logits = self.model.compute_logits(hidden_states[offset + first : offset + last])
+            targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1],
+                                   device=logits.device)
+            out[req_id] = gather_logprobs(logits.float().log_softmax(dim=-1), num_top, targets)
+            state.num_prompt_logprobs_done = last
+            if last == num_prompt - 1:
+                finished.append(req_id)
+        for req_id in finished:
+            del batch.num_prompt_logprobs[req_id]
+        return out

@@ -70,44 +70,36 @@ class SamplingParams:
         self._all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        def number(name: str, value, rng: str, ok: bool) -> None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number {rng}, got {value!r}.")
-            if not math.isfinite(value) or not ok:
-                raise ValueError(f"{name} must be {rng}, got {value}.")
+        def check(name: str, value, rng: str, ok, integer: bool = False) -> None:
+            """value must be a finite number (an int when `integer`) for which ok(value)."""
+            kinds = (int,) if integer else (int, float)
+            valid = (isinstance(value, kinds) and not isinstance(value, bool)
+                     and math.isfinite(value) and ok(value))
+            if not valid:
+                kind = "an integer" if integer else "a number"
+                raise ValueError(f"{name} must be {kind} {rng}, got {value!r}.")
 
-        def integer(name: str, value, rng: str, ok: bool) -> None:
-            if isinstance(value, bool) or not isinstance(value, int) or not ok:
-                raise ValueError(f"{name} must be an integer {rng}, got {value!r}.")
-
-        integer("n", self.n, ">= 1", isinstance(self.n, int) and self.n >= 1)
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            number(name, v, "in [-2, 2]", isinstance(v, (int, float)) and -2.0 <= v <= 2.0)
-        r = self.repetition_penalty
-        number("repetition_penalty", r, "> 0", isinstance(r, (int, float)) and r > 0)
-        t = self.temperature
-        number("temperature", t, ">= 0", isinstance(t, (int, float)) and t >= 0)
-        p = self.top_p
-        number("top_p", p, "in (0, 1]", isinstance(p, (int, float)) and 0 < p <= 1)
-        k = self.top_k
-        integer("top_k", k, ">= 1, or 0 / -1 (disabled)", isinstance(k, int) and k >= 0)
-        m = self.min_p
-        number("min_p", m, "in [0, 1]", isinstance(m, (int, float)) and 0 <= m <= 1)
+        check("n", self.n, ">= 1", lambda v: v >= 1, integer=True)
+        check("presence_penalty", self.presence_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
+        check("frequency_penalty", self.frequency_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
+        check("repetition_penalty", self.repetition_penalty, "> 0", lambda v: v > 0)
+        check("temperature", self.temperature, ">= 0", lambda v: v >= 0)
+        check("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+        check("top_k", self.top_k, ">= 1, or 0 / -1 (disabled)", lambda v: v >= 0, integer=True)
+        check("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
         if self.seed is not None:
-            integer("seed", self.seed, "(or None)", True)
+            check("seed", self.seed, "(or None)", lambda v: True, integer=True)
         if self.max_tokens is not None:
-            integer("max_tokens", self.max_tokens, ">= 1 (or None)",
-                    isinstance(self.max_tokens, int) and self.max_tokens >= 1)
-        mt = self.min_tokens
-        integer("min_tokens", mt, ">= 0", isinstance(mt, int) and mt >= 0)
+            check("max_tokens", self.max_tokens, ">= 1 (or None)", lambda v: v >= 1,
+                  integer=True)
+        check("min_tokens", self.min_tokens, ">= 0", lambda v: v >= 0, integer=True)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got "
                              f"{self.min_tokens}.")
         for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None:
-                integer(name, v, ">= 0 (or None)", isinstance(v, int) and v >= 0)
+            if getattr(self, name) is not None:
+                check(name, getattr(self, name), ">= 0 (or None)", lambda v: v >= 0,
+                      integer=True)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}.")
@@ -116,12 +108,12 @@ class SamplingParams:
                              "use stop_token_ids.")
         for name in ("stop_token_ids", "allowed_token_ids"):
             for t in getattr(self, name) or []:
-                integer(f"{name} entries", t, ">= 0", isinstance(t, int) and t >= 0)
+                check(f"each of {name}", t, ">= 0", lambda v: v >= 0, integer=True)
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty: pass None to allow every "
                              "token.")
         for tok, bias in (self.logit_bias or {}).items():
-            number(f"logit_bias[{tok}]", bias, "a finite number", True)
+            check(f"logit_bias[{tok}]", bias, "(finite)", lambda v: True)
         for w in self.bad_words:
             if not isinstance(w, str) or not w.strip():
                 raise ValueError(f"bad_words must hold non-empty strings, got {w!r}.")

@@ -118,6 +118,10 @@ class IncrementalDetokenizer:
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         return ""
 
+    def flush(self) -> None:
+        """The request finished: emit text still held for a character that never completed
+        (as replacement characters, as a full decode of the output shows them)."""
+
 
 class _TextDetokenizer(IncrementalDetokenizer):
     """Text, stop strings and hold-back; subclasses say how one token becomes text."""
@@ -138,6 +142,12 @@ class _TextDetokenizer(IncrementalDetokenizer):
 
     def _decode_next(self, token_id: int) -> str:
         raise NotImplementedError
+
+    def _pending_text(self) -> str:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        self._text.append(self._pending_text())
 
     @property
     def output_text(self) -> str:
@@ -212,6 +222,7 @@ class FastIncrementalDetokenizer(_TextDetokenizer):
         # (a SentencePiece "▁word" keeps its space); what priming yields is prompt text.
         for token_id in self._prime_ids(request.prompt_token_ids):
             self._step(token_id)
+        self._pending: list[int] = []  # output ids whose text the stream still holds
 
     def _prime_ids(self, prompt: list[int]) -> list[int]:
         """The shortest prompt suffix (of at least a few tokens) that does not start or end in
@@ -238,7 +249,16 @@ class FastIncrementalDetokenizer(_TextDetokenizer):
             return self._stream.step(self._backend, token_id) or ""
 
     def _decode_next(self, token_id: int) -> str:
-        return self._step(token_id)
+        text = self._step(token_id)
+        if text:
+            self._pending.clear()
+        else:
+            self._pending.append(token_id)
+        return text
+
+    def _pending_text(self) -> str:
+        # Everything before the pending ids was emitted, so they start on a character boundary.
+        return self._backend.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
 
 
 class SlowIncrementalDetokenizer(_TextDetokenizer):
@@ -296,3 +316,8 @@ class SlowIncrementalDetokenizer(_TextDetokenizer):
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return new_text[len(prefix_text):]
+
+    def _pending_text(self) -> str:
+        ids = self._ids
+        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        return self._decode(ids[self._prefix_offset:])[len(prefix_text):]

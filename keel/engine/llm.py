@@ -3,9 +3,11 @@ finish, and detokenizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -13,12 +15,23 @@ from tqdm.auto import tqdm
 from keel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from keel.engine.core import EngineCore
 from keel.engine.input_processor import InputProcessor
-from keel.outputs import CompletionOutput, RequestOutput
-from keel.sampling_params import SamplingParams
+from keel.engine.output_processor import OutputProcessor
+from keel.engine.parallel_sampling import ParentRequest
+from keel.outputs import RequestOutput
+from keel.request import Request
+from keel.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | dict[str, Any]
+
+
+@dataclass(slots=True)
+class _Processed:
+    request_id: str  # what the user gets back (the parent's id when n > 1)
+    prompt: str | None
+    requests: list[Request]  # one per completion
+    parent: ParentRequest | None
 
 
 class LLM:
@@ -37,10 +50,12 @@ class LLM:
         device: str = "auto",
         threads: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        max_logprobs: int = 20,
     ) -> None:
         config = EngineConfig(
             model_config=ModelConfig(
-                model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device
+                model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
+                max_logprobs=max_logprobs,
             ),
             cache_config=CacheConfig(
                 block_size=block_size,
@@ -60,6 +75,7 @@ class LLM:
         self.tokenizer = _load_tokenizer(config.model_config.model_path)
         self.engine_core = EngineCore(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
     def generate(
@@ -82,48 +98,63 @@ class LLM:
                     "SamplingParams, or one per prompt."
                 )
         # Validate every prompt before adding any, so a bad one leaves the engine untouched.
-        processed = [
-            self.input_processor.process(str(next(self._request_counter)), p, sp)
-            for p, sp in zip(prompts, params)
-        ]
+        processed = [self._process(p, sp) for p, sp in zip(prompts, params)]
         return self._run(processed, use_tqdm)
+
+    def _process(self, prompt: Prompt, params: SamplingParams) -> _Processed:
+        """One prompt -> its engine requests: one, or n children that share the prompt."""
+        if isinstance(params, SamplingParams):
+            params = params.clone()
+            params.output_kind = RequestOutputKind.FINAL_ONLY  # offline: one output each
+        request_id = str(next(self._request_counter))
+        request, text = self.input_processor.process(request_id, prompt, params)
+        if request.sampling_params.n == 1:
+            return _Processed(request_id, text, [request], None)
+        parent = ParentRequest(request_id, request.sampling_params)
+        children = []
+        for index in range(request.sampling_params.n):
+            child_id, child_params = parent.get_child_info(index)
+            children.append(dataclasses.replace(
+                request, request_id=child_id, sampling_params=child_params, output_token_ids=[]
+            ))
+        return _Processed(request_id, text, children, parent)
 
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to one conversation or a list of them, then
+        generate. `chat_template_kwargs` go to the template (e.g. enable_thinking=False)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("This model's tokenizer has no chat template: use generate().")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {
-                "prompt_token_ids": self.tokenizer.apply_chat_template(
-                    conv, add_generation_prompt=True, tokenize=True, return_dict=False
-                ),
-                "prompt": conv[-1]["content"],
-            }
-            for conv in conversations
-        ]
+        if not messages:
+            raise ValueError("messages is empty: pass a conversation (a list of messages).")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+            # The template already wrote the special tokens (BOS and the like).
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, processed, use_tqdm: bool) -> list[RequestOutput]:
-        core = self.engine_core
-        order = [req.request_id for req, _ in processed]
+    def _run(self, processed: list[_Processed], use_tqdm: bool) -> list[RequestOutput]:
+        core, out_proc = self.engine_core, self.output_processor
+        for item in processed:
+            for index, request in enumerate(item.requests):
+                out_proc.add_request(request, item.prompt, item.parent, index)
+                core.add_request(request)
         results: dict[str, RequestOutput] = {}
-        token_ids: dict[str, list[int]] = {req.request_id: [] for req, _ in processed}
-        for req, text in processed:
-            results[req.request_id] = RequestOutput(
-                req.request_id, text, req.prompt_token_ids,
-                [CompletionOutput(index=0, text="", token_ids=token_ids[req.request_id])],
-            )
-            core.add_request(req)
-        params = {req.request_id: req.sampling_params for req, _ in processed}
-        pbar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm,
+        unfinished = {item.request_id for item in processed}
+        pbar = tqdm(total=len(processed), desc="Processed prompts", disable=not use_tqdm,
                     dynamic_ncols=True)
-        unfinished = set(order)
         try:
             while unfinished:
                 if not core.scheduler.has_requests():
@@ -133,31 +164,23 @@ class LLM:
                     )
                 outputs, _ = core.step()
                 batch = outputs.get(0)
-                for out in batch.outputs if batch is not None else ():
-                    if out.request_id not in token_ids:
-                        continue
-                    token_ids[out.request_id].extend(out.new_token_ids)
-                    if out.finished:
-                        self._finish(results[out.request_id], out, params[out.request_id])
+                if batch is None or not batch.outputs:
+                    continue
+                result = out_proc.process_outputs(batch.outputs)
+                if result.reqs_to_abort:  # stopped by a stop string: free them now
+                    core.abort_requests(result.reqs_to_abort)
+                for out in result.request_outputs:
+                    if out.finished and out.request_id in unfinished:
+                        results[out.request_id] = out
                         unfinished.discard(out.request_id)
                         pbar.update(1)
         except BaseException:
             # Leave the engine serving: drop what this call added, keep everything else.
-            core.abort_requests(list(unfinished))
+            core.abort_requests(out_proc.abort_requests(list(unfinished)))
             raise
         finally:
             pbar.close()
-        return [results[rid] for rid in order]
-
-    def _finish(self, result: RequestOutput, out, params: SamplingParams) -> None:
-        completion = result.outputs[0]
-        completion.finish_reason = out.finish_reason
-        completion.stop_reason = out.stop_reason
-        if self.tokenizer is not None:
-            completion.text = self.tokenizer.decode(
-                completion.token_ids, skip_special_tokens=params.skip_special_tokens
-            )
-        result.finished = True
+        return [results[item.request_id] for item in processed]
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -180,6 +180,8 @@ class OutputProcessor:
                 # The text was cut at the stop string: that is why the request ends, whatever
                 # the engine core said about the same step.
                 finish_reason, stop_reason = "stop", stop_string
+            elif finish_reason is not None:
+                state.detokenizer.flush()  # bytes of a character the output never completed
             request_output = state.make_request_output(out.new_token_ids, finish_reason,
                                                        stop_reason)
             if request_output is not None:

@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: every core this process may use)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs a request may ask for")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--stop", action="append", default=None, metavar="STRING",
+                   help="stop when this string is generated (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="print each generated token's logprob and the top K alternatives")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap each prompt in the model's chat template when it has one")
@@ -48,7 +60,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ["model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "block_size", "kv_cache_memory_gib", "gpu_memory_utilization",
              "num_gpu_blocks_override", "distributed_executor_backend", "seed", "device",
-             "threads"]
+             "threads", "max_logprobs"]
     return {n: getattr(args, n) for n in names}
 
 
@@ -57,9 +69,14 @@ def run_generate(args: argparse.Namespace) -> None:
     from keel.utils import seconds_since_process_start
 
     llm = LLM(**engine_kwargs(args))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-                            seed=args.seed if args.temperature > 0 else None)
+    params = SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
+        logprobs=args.logprobs, ignore_eos=args.ignore_eos,
+        seed=args.seed if args.temperature > 0 else None,
+    )
     use_chat = args.chat and getattr(llm.tokenizer, "chat_template", None)
     if use_chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
@@ -73,7 +90,12 @@ def run_generate(args: argparse.Namespace) -> None:
             "first token %.2f s after process start", since_start - (time.monotonic() - first_token)
         )
     for prompt, out in zip(args.prompts, outputs):
-        print(f"{prompt!r} -> {out.outputs[0].text!r}")
+        for completion in out.outputs:
+            tag = f" [{completion.index}]" if len(out.outputs) > 1 else ""
+            print(f"{prompt!r}{tag} -> {completion.text!r}")
+            for entry in completion.logprobs or ():
+                print("    " + "  ".join(f"{lp.decoded_token!r}:{lp.logprob:.3f}(#{lp.rank})"
+                                         for lp in entry.values()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,13 @@ def assert_still_serving(llm):
         ({"prompt_token_ids": list(range(2, 42))}, SamplingParams(max_tokens=30),
          "max_tokens=30 cannot fit.*must be <= 24"),
         ({"prompt_token_ids": [5]}, SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+        ({"prompt_token_ids": [5]}, SamplingParams(logit_bias={VOCAB: 1.0}),
+         r"logit_bias contains token id\(s\) \[320\], outside the vocabulary"),
+        ({"prompt_token_ids": [5]}, SamplingParams(allowed_token_ids=[1, 400]),
+         "allowed_token_ids contains"),
+        ({"prompt_token_ids": [5]}, SamplingParams(logprobs=21), "logprobs=21 .* at most 20"),
+        ({"prompt_token_ids": [5]}, SamplingParams(prompt_logprobs=50),
+         "prompt_logprobs=50 .* at most 20"),
         (42, OK_PARAMS, "A prompt is a string"),
     ],
 )
@@ -91,4 +98,51 @@ def test_bad_sampling_params(llm, kwargs, match):
 def test_bad_engine_options(hf_model_dir, llm, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         LLM(hf_model_dir("llama"), **kwargs)
+    assert_still_serving(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-0.5), r"temperature must be a number >= 0"),
+        (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+        (dict(top_k=-2), r"top_k must be an integer >= 1, or 0 / -1"),
+        (dict(min_p=-0.1), r"min_p must be a number in \[0, 1\]"),
+        (dict(presence_penalty=2.5), r"presence_penalty must be a number in \[-2, 2\]"),
+        (dict(frequency_penalty=-3), r"frequency_penalty must be a number in \[-2, 2\]"),
+        (dict(repetition_penalty=0.0), r"repetition_penalty must be a number > 0"),
+        (dict(temperature=float("nan")), r"temperature .* got nan"),
+        (dict(top_p=float("inf")), r"top_p .* got inf"),
+        (dict(logit_bias={3: float("nan")}), r"logit_bias\[3\] must be a number"),
+        (dict(max_tokens=0), r"max_tokens must be an integer >= 1"),
+        (dict(min_tokens=8, max_tokens=4), r"min_tokens must be <= max_tokens=4"),
+        (dict(n=0), r"n must be an integer >= 1"),
+        (dict(logprobs=-1), r"logprobs must be an integer >= 0"),
+        (dict(stop=[""]), r"stop must hold non-empty strings"),
+        (dict(stop="x", detokenize=False), r"stop strings need detokenize=True"),
+        (dict(allowed_token_ids=[]), r"allowed_token_ids must not be empty"),
+        (dict(bad_words=[" "]), r"bad_words must hold non-empty strings"),
+    ],
+)
+def test_invalid_sampling_params_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_params_in_a_batch_leave_running_requests_alone(llm):
+    """A request with bad parameters is refused at add time while the engine holds others in
+    flight; they finish with every token."""
+    core = llm.engine_core
+    good, _ = llm.input_processor.process("inflight", {"prompt_token_ids": [5, 6, 7]}, OK_PARAMS)
+    core.add_request(good)
+    core.step()
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate({"prompt_token_ids": [5]}, SamplingParams(logprobs=100), use_tqdm=False)
+    tokens = []
+    while core.scheduler.has_requests():
+        outputs, _ = core.step()
+        for out in outputs.get(0).outputs if outputs else ():
+            tokens += out.new_token_ids
+    assert len(tokens) == 3  # one came with the first step
     assert_still_serving(llm)

@@ -68,7 +68,6 @@ def run_generate(args: argparse.Namespace) -> None:
     from keel import LLM, SamplingParams
     from keel.utils import seconds_since_process_start
 
-    llm = LLM(**engine_kwargs(args))
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, presence_penalty=args.presence_penalty,
@@ -77,6 +76,7 @@ def run_generate(args: argparse.Namespace) -> None:
         logprobs=args.logprobs, ignore_eos=args.ignore_eos,
         seed=args.seed if args.temperature > 0 else None,
     )
+    llm = LLM(**engine_kwargs(args))  # after the params: a bad flag fails before loading
     use_chat = args.chat and getattr(llm.tokenizer, "chat_template", None)
     if use_chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,

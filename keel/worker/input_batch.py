@@ -267,7 +267,8 @@ class InputBatch:
             )
         if self.logit_bias:
             rows_l, ids, vals = [], [], []
-            for row, bias in self.logit_bias.items():
+            for row in sorted(self.logit_bias):
+                bias = self.logit_bias[row]
                 rows_l += [row] * len(bias)
                 ids += bias.keys()
                 vals += bias.values()

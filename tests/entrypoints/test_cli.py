@@ -38,3 +38,24 @@ def test_bad_flag_is_a_clear_error(capsys, hf_model_dir):
     rc = main(["generate", "--model", hf_model_dir("qwen3"), "--block-size", "12", "Hello"])
     assert rc == 2
     assert "block_size must be a positive power of two" in capsys.readouterr().err
+
+
+def test_sampling_flags_reach_the_request(capsys, hf_model_dir):
+    rc = main(["generate", "--model", hf_model_dir("qwen3"), "--dtype", "float32", "--no-chat",
+               "--max-tokens", "4", "--ignore-eos", "--n", "2", "--temperature", "0.8",
+               "--min-p", "0.01", "--presence-penalty", "0.5", "--frequency-penalty", "0.2",
+               "--repetition-penalty", "1.1", "--logprobs", "2", "--stop", "zzz", "Hello"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    completions = [line for line in lines if line.startswith("'Hello'")]
+    assert [c.split(" ->")[0] for c in completions] == ["'Hello' [0]", "'Hello' [1]"]
+    # Each completion is followed by one line per token: the sampled token plus the top 2.
+    logprob_lines = [line for line in lines if line.startswith("    ")]
+    assert len(logprob_lines) == 8
+    assert all(2 <= line.count("(#") <= 3 for line in logprob_lines)
+
+
+def test_bad_sampling_flag_is_a_clear_error(capsys, hf_model_dir):
+    rc = main(["generate", "--model", hf_model_dir("qwen3"), "--top-p", "1.5", "Hello"])
+    assert rc == 2
+    assert "top_p must be a number in (0, 1], got 1.5" in capsys.readouterr().err

@@ -22,19 +22,35 @@ MAX_REQS, MAX_LEN, MAX_TOKENS, BLOCK = 16, 64, 64, 4
 MAX_BLOCKS = MAX_LEN // BLOCK
 
 
+VOCAB = 30000
+
+
 def make_batch() -> InputBatch:
-    return InputBatch(MAX_REQS, MAX_LEN, MAX_TOKENS, BLOCK, torch.device("cpu"))
+    return InputBatch(MAX_REQS, MAX_LEN, MAX_TOKENS, BLOCK, torch.device("cpu"), vocab_size=VOCAB)
 
 
 def random_params(rng: random.Random) -> SamplingParams:
-    if rng.random() < 0.4:
-        return SamplingParams(temperature=0.0)
-    return SamplingParams(
-        temperature=rng.choice([0.5, 0.8, 1.0, 1.3]),
+    """Every per-row feature, each used by some requests and not others."""
+    maybe = lambda p, value, default=None: value if rng.random() < p else default  # noqa: E731
+    sp = SamplingParams(
+        temperature=0.0 if rng.random() < 0.4 else rng.choice([0.5, 0.8, 1.0, 1.3]),
         top_p=rng.choice([1.0, 0.9, 0.5]),
         top_k=rng.choice([0, 0, 5, 20]),
+        min_p=rng.choice([0.0, 0.0, 0.05]),
+        presence_penalty=rng.choice([0.0, 0.0, 0.5]),
+        frequency_penalty=rng.choice([0.0, 0.0, -0.3]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
         seed=rng.choice([None, rng.randrange(1000)]),
+        min_tokens=rng.choice([0, 0, 3]),
+        logprobs=maybe(0.3, rng.randrange(0, 6)),
+        prompt_logprobs=maybe(0.2, rng.randrange(0, 3)),
+        logit_bias=maybe(0.3, {rng.randrange(VOCAB): 2.0, rng.randrange(VOCAB): -1.0}),
+        allowed_token_ids=maybe(0.2, rng.sample(range(VOCAB), 5)),
     )
+    # What InputProcessor fills in when the request is added.
+    sp._all_stop_token_ids = {rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))}
+    sp._bad_words_token_ids = maybe(0.3, [[rng.randrange(VOCAB)], [7, 8, 9]], [])
+    return sp
 
 
 def random_state(rng: random.Random, req_id: str) -> CachedRequestState:
@@ -113,16 +129,45 @@ def assert_rows_match(batch: InputBatch, ref: InputBatch, n: int) -> None:
     for row in range(n):
         k = rbt.num_blocks_per_row[row]
         np.testing.assert_array_equal(bt.block_table.np[row, :k], rbt.block_table.np[row, :k])
-    np.testing.assert_array_equal(batch.temperature.np[:n], ref.temperature.np[:n])
-    np.testing.assert_array_equal(batch.top_p.np[:n], ref.top_p.np[:n])
-    np.testing.assert_array_equal(batch.top_k.np[:n], ref.top_k.np[:n])
-    assert batch.greedy_reqs == ref.greedy_reqs
-    assert batch.random_reqs == ref.random_reqs
-    assert batch.top_p_reqs == ref.top_p_reqs
-    assert batch.top_k_reqs == ref.top_k_reqs
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalties",
+                 "frequency_penalties", "repetition_penalties"):
+        np.testing.assert_array_equal(getattr(batch, name).np[:n], getattr(ref, name).np[:n],
+                                      err_msg=name)
+    for name in ("greedy_reqs", "random_reqs", "top_p_reqs", "top_k_reqs", "min_p_reqs",
+                 "penalty_reqs", "logit_bias", "allowed_token_ids", "bad_words_token_ids",
+                 "min_tokens", "num_logprobs", "num_prompt_logprobs"):
+        assert getattr(batch, name) == getattr(ref, name), name
     assert batch.generators.keys() == ref.generators.keys()
     for row, gen in ref.generators.items():
         assert batch.generators[row] is gen
+    # The metadata the sampler reads, rebuilt from the moved rows, equals the reference's.
+    batch.sampling_metadata = ref.sampling_metadata = None
+    batch.refresh_metadata()
+    ref.refresh_metadata()
+    assert_same_metadata(batch.sampling_metadata, ref.sampling_metadata)
+
+
+def assert_same_metadata(a, b) -> None:
+    import dataclasses
+
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "generators":
+            assert x.keys() == y.keys()
+        elif f.name == "history":
+            assert (x is None) == (y is None)
+        elif dataclasses.is_dataclass(x):
+            for g in dataclasses.fields(x):
+                np.testing.assert_array_equal(np.asarray(getattr(x, g.name)),
+                                              np.asarray(getattr(y, g.name)), err_msg=g.name)
+        elif isinstance(x, tuple):
+            assert len(x) == len(y)
+            for u, v in zip(x, y):
+                np.testing.assert_array_equal(u.numpy(), v.numpy(), err_msg=f.name)
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), f.name
+        else:
+            assert x == y, f.name
 
 
 def build_reference(states: dict[str, CachedRequestState], rows: list[str]) -> InputBatch:

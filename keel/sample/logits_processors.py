@@ -112,9 +112,11 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties, hist: TokenHistory,
     return logits
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the row's top probability (rows with
-    min_p 0 keep everything)."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill_(probs < threshold, _NEG_INF)
+def apply_min_p(logits: torch.Tensor, rows: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability, in the
+    rows that set min_p. p < min_p * p_max  <=>  logit < max_logit + log(min_p), so no softmax
+    is needed."""
+    sub = logits[rows]  # [k, vocab]
+    threshold = sub.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    logits[rows] = sub.masked_fill_(sub < threshold, _NEG_INF)
+    return logits

@@ -49,7 +49,7 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [num_reqs]
     top_k: torch.Tensor | None  # [num_reqs] int64, 0 = disabled
     generators: dict[int, torch.Generator]  # row -> seeded generator
-    min_p: torch.Tensor | None = None  # [num_reqs]
+    min_p: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [k], min_p [k])
     penalties: Penalties | None = None
     # logits[rows, token_ids] += values, for every (row, token) with a bias
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -58,6 +58,7 @@ class SamplingMetadata:
     bad_words_token_ids: dict[int, list[list[int]]] | None = None  # row -> token sequences
     min_tokens: MinTokens | None = None
     max_num_logprobs: int | None = None  # top-k logprobs to return; None: nobody asked
+    logprobs_rows: torch.Tensor | None = None  # [k] rows that asked; None: all rows (or none)
     history: TokenHistory | None = None  # set when penalties, bad words or min_tokens need it
 
     @property

@@ -252,13 +252,16 @@ class InputBatch:
             top_p=None if not self.top_p_reqs else self.top_p.copy_to_gpu(n),
             top_k=None if not self.top_k_reqs else self.top_k.copy_to_gpu(n),
             generators=dict(self.generators),
-            min_p=None if not self.min_p_reqs else self.min_p.copy_to_gpu(n),
             max_num_logprobs=max(self.num_logprobs.values()) if self.num_logprobs else None,
         )
+        if self.min_p_reqs:
+            rows = self._rows_of(self.min_p_reqs)
+            meta.min_p = (rows, self.min_p.copy_to_gpu(n)[rows])
+        if self.num_logprobs and len(self.num_logprobs) < n:  # else: every row
+            meta.logprobs_rows = self._rows_of(self.num_logprobs)
         if self.penalty_reqs:
-            rows_np = np.sort(np.fromiter((self.req_id_to_index[r] for r in self.penalty_reqs),
-                                          dtype=np.int64))
-            rows = torch.from_numpy(rows_np).to(self.device)
+            rows = self._rows_of(self.penalty_reqs)
+            rows_np = rows.cpu().numpy()
             meta.penalties = Penalties(
                 rows=rows, rows_np=rows_np,
                 presence=self.presence_penalties.copy_to_gpu(n)[rows],
@@ -305,6 +308,11 @@ class InputBatch:
             meta.history = TokenHistory(self.token_ids_cpu_tensor, self.num_tokens,
                                         self.num_prompt_tokens)
         self.sampling_metadata = meta
+
+    def _rows_of(self, req_ids) -> torch.Tensor:
+        """The sorted rows of these requests, on the device."""
+        rows = sorted(self.req_id_to_index[r] for r in req_ids)
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
     def append_sampled_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Write this pass's sampled tokens into the kept rows (vectorised)."""

@@ -89,12 +89,16 @@ def test_top_p_matches_transformers(p):
 
 @pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5])
 def test_min_p_matches_transformers(min_p):
+    """Rows 0 and 2 set min_p, row 1 does not (and must be untouched)."""
     from keel.sample.logits_processors import apply_min_p
 
-    logits = random_logits(4, seed=3)
-    meta = batch_with([SamplingParams(temperature=1.0, min_p=min_p)] * 4).sampling_metadata
-    got = apply_min_p(logits.clone(), meta.min_p)
+    logits = random_logits(3, seed=3)
+    params = [SamplingParams(temperature=1.0, min_p=min_p), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, min_p=min_p)]
+    meta = batch_with(params).sampling_metadata
+    got = apply_min_p(logits.clone(), *meta.min_p)
     want = tf.MinPLogitsWarper(min_p)(None, logits.clone())
+    want[1] = logits[1]
     assert_same_logits(got, want)
 
 
@@ -240,14 +244,15 @@ def test_logprobs_are_raw_and_ranked():
     """Logprobs come from the raw logits (before penalties / temperature), the sampled token
     first with its rank, then the batch's largest top-k."""
     params = [SamplingParams(temperature=0.0, logprobs=3, logit_bias={5: 50.0}),
-              SamplingParams(temperature=0.0, logprobs=1)]
+              SamplingParams(temperature=0.0, logprobs=1),
+              SamplingParams(temperature=0.7, min_p=0.2)]  # asks for none: not computed
     meta = batch_with(params).sampling_metadata
-    assert meta.max_num_logprobs == 3
-    logits = random_logits(2, seed=4)
-    raw = logits.log_softmax(-1)
+    assert meta.max_num_logprobs == 3 and meta.logprobs_rows.tolist() == [0, 1]
+    logits = random_logits(3, seed=4)
+    raw = logits.log_softmax(-1)[:2]
     out = Sampler(MAX_REQS)(logits.clone(), meta)
-    lp = out.logprobs
-    assert lp.logprob_token_ids.shape == (2, 4) and lp.logprobs.shape == (2, 4)
+    lp = out.logprobs.slice(0, 2)
+    assert out.logprobs.logprobs.shape == (3, 4)
     assert lp.logprob_token_ids[0, 0] == 5  # forced by the bias
     np.testing.assert_allclose(lp.logprobs[0, 0], raw[0, 5].item(), rtol=1e-6)
     assert lp.ranks[0] == int((raw[0] >= raw[0, 5]).sum())
@@ -255,3 +260,26 @@ def test_logprobs_are_raw_and_ranked():
     np.testing.assert_array_equal(lp.logprob_token_ids[:, 1:], top.indices.numpy())
     np.testing.assert_allclose(lp.logprobs[:, 1:], top.values.numpy(), rtol=1e-6)
     assert lp.ranks[1] == 1  # greedy without processing: the top token
+
+
+def test_top_k_top_p_on_a_large_vocabulary_candidates_and_full_sort():
+    """vocab 5000 > the 256 candidates: peaked rows are decided among the candidates, flat
+    rows (nucleus wider than 256 tokens) fall back to the full sort, rows with top-k only or
+    top-p only or neither share the batch; every row equals transformers' warpers."""
+    vocab = 5000
+    g = torch.Generator().manual_seed(1)
+    scales = [8.0, 0.05, 8.0, 0.05, 3.0, 3.0, 1.0]  # 8: peaked, 0.05: nearly flat
+    settings = [(0, 0.9), (0, 0.9), (50, 0.8), (400, 0.95), (300, 1.0), (0, 1.0), (0, 0.5)]
+    logits = torch.cat([torch.randn(1, vocab, generator=g) * sc for sc in scales])
+    top_k = torch.tensor([k for k, _ in settings])
+    top_p = torch.tensor([p for _, p in settings])
+    got = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    for row, (k, p) in enumerate(settings):
+        want = logits[row : row + 1].clone()
+        if k:
+            want = tf.TopKLogitsWarper(k)(None, want)
+        if p < 1:
+            want = tf.TopPLogitsWarper(p)(None, want)
+        assert_same_logits(got[row : row + 1], want)
+    survivors = (~torch.isinf(got)).sum(-1).tolist()
+    assert survivors[1] > 256 and survivors[0] < 256  # both paths were taken

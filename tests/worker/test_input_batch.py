@@ -31,7 +31,7 @@ def make_batch() -> InputBatch:
 
 def random_params(rng: random.Random) -> SamplingParams:
     """Every per-row feature, each used by some requests and not others."""
-    maybe = lambda p, value, default=None: value if rng.random() < p else default  # noqa: E731
+    maybe = lambda p, value, default=None: value if rng.random() < p else default
     sp = SamplingParams(
         temperature=0.0 if rng.random() < 0.4 else rng.choice([0.5, 0.8, 1.0, 1.3]),
         top_p=rng.choice([1.0, 0.9, 0.5]),

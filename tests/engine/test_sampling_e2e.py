@@ -236,3 +236,46 @@ def test_logit_bias_allowed_ids_and_bad_words(llm):
     single = {b[0] for b in banned if len(b) == 1}
     assert not single & set(out.token_ids)
     assert out.token_ids != base
+
+
+def test_prompt_logprobs_survive_preemption(folder):
+    """A preempted request recomputes its prompt; its prompt logprobs are still sent once
+    each, equal to a run without preemption."""
+    prompt = random_prompt(45, seed=77)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=2)
+    calm = LLM(folder, dtype="float32").generate(ids(prompt), params, use_tqdm=False)[0]
+    tight = LLM(folder, dtype="float32", max_model_len=128, num_gpu_blocks_override=8)
+    crowd = tight.generate([ids(random_prompt(60, seed=5)), ids(prompt)],
+                           [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                            params], use_tqdm=False)
+    assert tight.engine_core.scheduler.num_preemptions > 0
+    got = crowd[1].prompt_logprobs
+    assert len(got) == len(prompt) == len(calm.prompt_logprobs)
+    for a, b in zip(got[1:], calm.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert crowd[1].outputs[0].token_ids == calm.outputs[0].token_ids
+
+
+def test_chat_options(llm):
+    tok = llm.tokenizer
+    convs = [[{"role": "user", "content": "Hello world!"}],
+             [{"role": "user", "content": "The quick brown fox"}]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with_prompt = llm.chat(convs, params, use_tqdm=False)
+    without = llm.chat(convs[0], params, use_tqdm=False, add_generation_prompt=False)
+    assert len(with_prompt) == 2 and len(without) == 1
+    assert with_prompt[0].prompt.endswith("assistant: ")
+    assert not without[0].prompt.endswith("assistant: ")
+    for conv, out in zip(convs, with_prompt):
+        assert out.prompt_token_ids == tok.apply_chat_template(
+            conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+    # chat_template_kwargs reach the template.
+    original = tok.chat_template
+    tok.chat_template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        out = llm.chat(convs[0], params, use_tqdm=False,
+                       chat_template_kwargs={"greeting": "Hi! "})[0]
+    finally:
+        tok.chat_template = original
+    assert out.prompt == "Hi! Hello world!"

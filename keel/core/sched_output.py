@@ -4,6 +4,7 @@ its persistent batch against. Field names are the seed's."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from keel.sampling_params import SamplingParams
 
@@ -44,3 +45,14 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class GrammarOutput:
+    """What `Scheduler.get_grammar_bitmask` hands to `sample_tokens`: one bitmask row per
+    constrained request that samples a kept token this step (bit t of a row set = token t
+    allowed). Rows follow `structured_output_request_ids`, not the batch's row order (the
+    runner maps them through `req_id_to_index`)."""
+
+    structured_output_request_ids: list[str]
+    grammar_bitmask: Any  # torch.Tensor [len(ids), ceil(vocab / 32)] int32, on the CPU

@@ -12,19 +12,29 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 from keel.config import CacheConfig, SchedulerConfig
 from keel.core.kv_cache_manager import KVCacheManager
-from keel.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from keel.core.sched_output import (
+    CachedRequestData,
+    GrammarOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from keel.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from keel.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from keel.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -36,12 +46,19 @@ class Scheduler:
         # Finished since the last schedule(): sent to the runner in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # total, for metrics and tests
+        self.structured_output_manager = structured_output_manager
+        self.structured_req_ids: set[str] = set()  # unfinished requests with a grammar
+        # Outputs for requests finished outside a step (a grammar that failed to compile),
+        # sent with the next update_from_output.
+        self._pending_outputs: list[EngineCoreOutput] = []
 
     # ---- requests in and out ----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
         self.requests[request.request_id] = request
+        if request.use_structured_output:
+            self.structured_req_ids.add(request.request_id)
 
     def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:
         """Finish requests from outside the loop (aborts). Unknown or finished ids are ignored."""
@@ -60,6 +77,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
+        self.structured_req_ids.discard(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -106,10 +124,18 @@ class Scheduler:
             req_index += 1
 
         # 2. Waiting requests (new, or resumed after preemption), unless we just preempted.
+        # One whose grammar is still compiling is skipped (and keeps its place in the queue).
+        skipped: list[Request] = []
         while self.waiting and token_budget > 0 and not preempted and not throttle_prefills:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(
+                    request):
+                self.waiting.popleft()
+                if request.status == RequestStatus.WAITING_FOR_FSM:
+                    skipped.append(request)
+                continue
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             blocks = kv.allocate_slots(request, num_new_tokens)
             if blocks is None:
@@ -124,6 +150,7 @@ class Scheduler:
             new_blocks[request.request_id] = blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+        self.waiting.extendleft(reversed(skipped))
 
         cached = CachedRequestData()
         for request, resumed in (*((r, False) for r in scheduled_running),
@@ -168,8 +195,37 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
-        return None  # structured outputs are not implemented yet
+    def _grammar_ready(self, request: Request) -> bool:
+        """True once the request's grammar compiled (it becomes WAITING); a grammar that
+        failed finishes the request with an error, reported with the next step's outputs."""
+        try:
+            ready = request.structured_output_request.ready()
+        except Exception as e:  # noqa: BLE001 - the compiler's error, for this request alone
+            logger.error("Request %s: its grammar failed to compile: %s", request.request_id, e)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free_request(request)
+            self._pending_outputs.append(EngineCoreOutput(
+                request.request_id, [], finish_reason=request.get_finished_reason()))
+            return False
+        if ready:
+            request.status = RequestStatus.WAITING
+        return ready
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The bitmask of every constrained request that samples a kept token this step, or
+        None when there is none. Runs while the forward pass does (EngineCore.step). A request
+        still prefilling after this step is left out: its row is discarded anyway."""
+        if not self.structured_req_ids:
+            return None
+        ids = [req_id for req_id in scheduler_output.num_scheduled_tokens.keys()
+               & self.structured_req_ids
+               if self.requests[req_id].num_computed_tokens >= self.requests[req_id].num_tokens]
+        if not ids:
+            return None
+        ids.sort()  # a deterministic order; the runner maps ids to rows itself
+        bitmask = self.structured_output_manager.grammar_bitmask(
+            [self.requests[req_id] for req_id in ids])
+        return GrammarOutput(ids, bitmask)
 
     # ---- after the step ---------------------------------------------------------------------
 
@@ -191,9 +247,12 @@ class Scheduler:
             new_prompt_logprobs = prompt_logprobs.get(req_id)
             if not new_token_ids and new_prompt_logprobs is None:
                 continue  # still prefilling (row discarded), nothing to report
+            grammar = request.structured_output_request
             for i, token in enumerate(new_token_ids):
                 request.output_token_ids.append(token)
-                if self._check_stop(request):
+                finished = ((grammar is not None and not self._advance_grammar(request, token))
+                            or self._check_stop(request))
+                if finished:
                     new_token_ids = new_token_ids[: i + 1]
                     stopped.append(request)
                     break
@@ -215,7 +274,28 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
             for request in stopped:
                 self._free_request(request)
-        return {0: EngineCoreOutputs(outputs, {r.request_id for r in stopped})}
+        finished_ids = {r.request_id for r in stopped}
+        if self._pending_outputs:
+            outputs += self._pending_outputs
+            finished_ids.update(o.request_id for o in self._pending_outputs)
+            self._pending_outputs = []
+        return {0: EngineCoreOutputs(outputs, finished_ids)}
+
+    def _advance_grammar(self, request: Request, token: int) -> bool:
+        """Feed the sampled token to the request's matcher; False when that finishes the
+        request: the grammar is complete ("stop"), or it rejects the token, which the bitmask
+        should have made impossible (an engine bug: logged, the request ends with "error",
+        the engine goes on)."""
+        grammar = request.structured_output_request
+        if not grammar.accept_token(token):
+            logger.error("Request %s: the grammar rejected sampled token %d; finishing it "
+                         "with an error.", request.request_id, token)
+            request.status = RequestStatus.FINISHED_ERROR
+            return False
+        if grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return False
+        return True
 
     def _check_stop(self, request: Request) -> bool:
         """EOS (unless ignore_eos) and the stop token ids, once min_tokens are out; then the

@@ -12,6 +12,7 @@ from keel.core.scheduler import Scheduler
 from keel.executor.abstract import Executor
 from keel.outputs import EngineCoreOutputs
 from keel.request import Request, RequestStatus
+from keel.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +25,16 @@ class EngineCore:
         self.model_executor = executor_class(config)
         num_blocks = self.model_executor.initialize_kv_cache()
         config.cache_config.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        self.structured_output_manager = StructuredOutputManager(config)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
+                                   self.structured_output_manager)
         # Aborts that arrive from another thread while a step runs (a server's input thread).
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.first_token_time: float | None = None  # time.monotonic() of the first sample
 
     def add_request(self, request: Request) -> None:
+        if request.use_structured_output:
+            self.structured_output_manager.grammar_init(request)  # compiles in the background
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -64,4 +69,5 @@ class EngineCore:
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.model_executor.shutdown()

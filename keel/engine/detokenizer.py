@@ -226,14 +226,16 @@ class FastIncrementalDetokenizer(_TextDetokenizer):
 
     def _prime_ids(self, prompt: list[int]) -> list[int]:
         """The shortest prompt suffix (of at least a few tokens) that does not start or end in
-        the middle of a character, which would confuse the stream."""
+        the middle of a character, which would confuse the stream; none if there is none."""
         shortest = min(_MIN_PRIME_TOKENS, len(prompt))
         for n in range(shortest, min(len(prompt), _MAX_PRIME_TOKENS) + 1):
             suffix = prompt[-n:]
             text = self._backend.decode(suffix, skip_special_tokens=self.skip_special_tokens)
             if _REPLACEMENT_CHAR not in text:
                 return suffix
-        return prompt[-shortest:] if shortest else []
+        # No clean suffix (a prompt of stray bytes): priming would leak its broken bytes into
+        # the output's first characters, so start from nothing.
+        return []
 
     def _step(self, token_id: int) -> str:
         try:

@@ -100,6 +100,10 @@ class InputProcessor:
         if (params.stop or params.bad_words) and self.tokenizer is None:
             raise ValueError("stop strings and bad_words need a tokenizer, and this model has "
                              "none: use stop_token_ids instead.")
+        if params.structured_outputs is not None:
+            from keel.structured_output import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs)
         params = params.clone()
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.eos_token_id is not None:

@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="print each generated token's logprob and the top K alternatives")
     g.add_argument("--ignore-eos", action="store_true")
+    so = g.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="SCHEMA",
+                    help="constrain the output to this JSON schema (JSON text or a file)")
+    so.add_argument("--json-object", action="store_true", help="constrain to any JSON object")
+    so.add_argument("--regex", help="constrain the output to this regular expression")
+    so.add_argument("--choice", action="append", metavar="STRING",
+                    help="the output is one of these strings (repeatable)")
+    so.add_argument("--grammar", metavar="EBNF", help="constrain to this EBNF grammar (text or "
+                    "a file)")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap each prompt in the model's chat template when it has one")
     return p
@@ -64,12 +73,34 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names}
 
 
+def structured_outputs(args: argparse.Namespace):
+    from pathlib import Path
+
+    from keel.sampling_params import StructuredOutputsParams
+
+    def text_or_file(value: str) -> str:
+        path = Path(value)
+        return path.read_text() if len(value) < 4096 and path.is_file() else value
+
+    if args.json_schema is not None:
+        return StructuredOutputsParams(json=text_or_file(args.json_schema))
+    if args.json_object:
+        return StructuredOutputsParams(json_object=True)
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.choice:
+        return StructuredOutputsParams(choice=args.choice)
+    if args.grammar is not None:
+        return StructuredOutputsParams(grammar=text_or_file(args.grammar))
+    return None
+
+
 def run_generate(args: argparse.Namespace) -> None:
     from keel import LLM, SamplingParams
     from keel.utils import seconds_since_process_start
 
     params = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        structured_outputs=structured_outputs(args), n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
         max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,

@@ -22,7 +22,7 @@ from keel.attention import build_attention_metadata, set_forward_context
 from keel.attention.backends.torch_paged import PagedAttentionMetadata
 from keel.attention.layer import allocate_kv_caches
 from keel.config import EngineConfig
-from keel.core.sched_output import SchedulerOutput
+from keel.core.sched_output import GrammarOutput, SchedulerOutput
 from keel.model_executor.loader import load_model
 from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from keel.sample.sampler import Sampler
@@ -77,6 +77,7 @@ class ModelRunner:
         self.discard_request_mask = CpuGpuBuffer(n_req, dtype=torch.bool, device=device)
         self.num_scheduled_tokens_np = np.zeros(n_req, dtype=np.int32)
         self._prep_event = torch.cuda.Event() if device.type == "cuda" else None
+        self._grammar_bitmask: torch.Tensor | None = None  # [max_num_reqs, ceil(vocab / 32)]
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -326,16 +327,35 @@ class ModelRunner:
         )
         return None
 
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, grammar_output: GrammarOutput) -> None:
+        """Mask the logits of the constrained rows. The scheduler's bitmask rows follow its
+        request ids; the batch's rows may have moved since (condense, reorder), so each id is
+        looked up in req_id_to_index and its row copied into a batch-ordered buffer."""
+        import xgrammar as xgr
+
+        num_reqs = self.input_batch.num_reqs
+        bitmask = grammar_output.grammar_bitmask
+        if self._grammar_bitmask is None or self._grammar_bitmask.shape[1] != bitmask.shape[1]:
+            self._grammar_bitmask = torch.full((self.max_num_reqs, bitmask.shape[1]), -1,
+                                               dtype=torch.int32, device=self.device)
+        index_of = self.input_batch.req_id_to_index
+        rows = [index_of[req_id] for req_id in grammar_output.structured_output_request_ids]
+        batch_bitmask = self._grammar_bitmask[:num_reqs]
+        batch_bitmask[rows] = bitmask.to(self.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, batch_bitmask, indices=rows,
+                                        vocab_size=logits.shape[1])
+
     # ---- step 5: the second call ------------------------------------------------------------
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput | None:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None
+                      ) -> ModelRunnerOutput | None:
         if self.execute_model_state is None:
             return None  # nothing parked (e.g. a rank that returned hidden states)
-        if grammar_output is not None:  # refused while the state is still parked
-            raise NotImplementedError("structured outputs (grammar bitmasks) are not in keel yet")
         state = self.execute_model_state
         self.execute_model_state = None
+        if grammar_output is not None:
+            self._apply_grammar_bitmask(state.logits, grammar_output)
 
         batch = self.input_batch
         num_reqs = batch.num_reqs

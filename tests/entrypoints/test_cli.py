@@ -59,3 +59,17 @@ def test_bad_sampling_flag_is_a_clear_error(capsys, hf_model_dir):
     rc = main(["generate", "--model", hf_model_dir("qwen3"), "--top-p", "1.5", "Hello"])
     assert rc == 2
     assert "top_p must be a number in (0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_structured_output_flags(capsys, hf_model_dir):
+    import re
+
+    rc = main(["generate", "--model", hf_model_dir("qwen3"), "--dtype", "float32", "--no-chat",
+               "--temperature", "1.0", "--max-tokens", "20", "--regex", "[0-9]{3}-[a-c]{2}",
+               "Hello"])
+    out = capsys.readouterr().out.strip()
+    assert rc == 0
+    assert re.fullmatch(r"'Hello' -> '[0-9]{3}-[a-c]{2}'", out), out
+    rc = main(["generate", "--model", hf_model_dir("qwen3"), "--grammar", 'root ::= "a', "Hi"])
+    assert rc == 2
+    assert "Invalid grammar in structured_outputs: EBNF lexer error" in capsys.readouterr().err

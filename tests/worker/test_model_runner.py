@@ -368,7 +368,22 @@ def test_not_yet_features_fail_clearly(make_runner):
     so.scheduled_spec_decode_tokens = {"a": [7]}
     with pytest.raises(NotImplementedError, match="speculative decoding"):
         runner.execute_model(so)
+
+
+
+def test_grammar_bitmask_rows_follow_req_ids_not_rows(make_runner):
+    """The scheduler's bitmask rows are in its own request order; sample_tokens maps each to
+    the request's current batch row. Here the bitmask names "b" (row 1) first and "a" (row 0)
+    second; each must get its own mask."""
+    from keel.core.sched_output import GrammarOutput
+
     runner = make_runner()
-    assert runner.execute_model(sched([new_req("a", prompt(5, 12), [1])], nst={"a": 5})) is None
-    with pytest.raises(NotImplementedError, match="structured outputs"):
-        runner.sample_tokens(object())
+    reqs = [new_req("a", prompt(5, 12), [1]), new_req("b", prompt(4, 13), [2])]
+    assert runner.execute_model(sched(reqs, nst={"a": 5, "b": 4})) is None
+    width = -(-VOCAB // 32)
+    bitmask = torch.zeros(2, width, dtype=torch.int32)
+    bitmask[0, 7 // 32] = 1 << (7 % 32)  # "b": only token 7
+    bitmask[1, 40 // 32] = 1 << (40 % 32)  # "a": only token 40
+    out = runner.sample_tokens(GrammarOutput(["b", "a"], bitmask))
+    assert out.sampled_token_ids[out.req_id_to_index["a"]] == [40]
+    assert out.sampled_token_ids[out.req_id_to_index["b"]] == [7]

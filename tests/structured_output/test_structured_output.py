@@ -339,3 +339,40 @@ def test_default_model_answers_a_json_schema_request(monkeypatch, tmp_path):
     data = json.loads(text)
     jsonschema.validate(data, schema)
     assert data["name"].strip()
+
+
+def test_rejected_token_or_failed_compile_ends_that_request_with_an_error(llm, monkeypatch,
+                                                                        caplog):
+    """Neither should happen (the bitmask allows only what the matcher accepts; the grammar
+    was checked when added), but if it does the request ends with "error", the reason is
+    logged, and the other requests finish normally."""
+    from keel.structured_output import StructuredOutputManager, StructuredOutputRequest
+
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    real_accept = StructuredOutputRequest.accept_token
+    calls = {"n": 0}
+
+    def flaky_accept(self, token_id):
+        calls["n"] += 1
+        return calls["n"] < 3 and real_accept(self, token_id)
+
+    monkeypatch.setattr(StructuredOutputRequest, "accept_token", flaky_accept)
+    outs = llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}],
+                        [constrained(0, regex="[a-z]{10}"), free], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert len(outs[0].outputs[0].token_ids) == 3
+    assert len(outs[1].outputs[0].token_ids) == 6 and outs[1].outputs[0].finish_reason == "length"
+    assert "rejected sampled token" in caplog.text
+    monkeypatch.undo()
+
+    def broken_compile(self, params):
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", broken_compile)
+    outs = llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}],
+                        [constrained(0, regex="[0-9]{7}"), free], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == []
+    assert len(outs[1].outputs[0].token_ids) == 6
+    assert "compiler exploded" in caplog.text
+    scheduler = llm.engine_core.scheduler
+    assert not scheduler.has_unfinished_requests() and not scheduler.structured_req_ids

@@ -196,6 +196,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         pc = self.parallel_config
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(pc, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        heads = getattr(self.model_config.hf_config, "num_attention_heads", 1)
+        if heads % pc.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={pc.tensor_parallel_size} must divide the model's "
+                f"{heads} attention heads: pick a divisor of {heads}."
+            )
         if pc.distributed_executor_backend is None:
             # The seed: the default is decided here, not in Executor.get_class.
             pc.distributed_executor_backend = "uni" if pc.world_size == 1 else "mp"

@@ -51,6 +51,8 @@ class LLM:
         threads: int | None = None,
         gpu_memory_utilization: float = 0.9,
         max_logprobs: int = 20,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             model_config=ModelConfig(
@@ -67,7 +69,9 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),
             parallel_config=ParallelConfig(
-                distributed_executor_backend=distributed_executor_backend
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                distributed_executor_backend=distributed_executor_backend,
             ),
             threads=threads,
         )
@@ -183,7 +187,10 @@ class LLM:
         return [results[item.request_id] for item in processed]
 
     def shutdown(self) -> None:
+        """Stop the engine (worker processes too); the LLM cannot be used afterwards."""
         self.engine_core.shutdown()
+
+    close = shutdown
 
 
 def _load_tokenizer(path):

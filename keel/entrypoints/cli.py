@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: every core this process may use)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split each layer over this many worker processes (mp executor)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs a request may ask for")
 
@@ -69,7 +72,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ["model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "block_size", "kv_cache_memory_gib", "gpu_memory_utilization",
              "num_gpu_blocks_override", "distributed_executor_backend", "seed", "device",
-             "threads", "max_logprobs"]
+             "threads", "max_logprobs", "tensor_parallel_size", "pipeline_parallel_size"]
     return {n: getattr(args, n) for n in names}
 
 

@@ -24,8 +24,8 @@ class UniProcExecutor(Executor):
         if world_size != 1:
             raise ValueError(
                 f"distributed_executor_backend='uni' runs one worker, but tensor x pipeline "
-                f"parallel size is {world_size}: use world size 1 (multi-worker executors are "
-                "not implemented yet)."
+                f"parallel size is {world_size}: use distributed_executor_backend='mp' (the "
+                "default above world size 1)."
             )
         self.driver_worker = Worker(self.config, local_rank=0, rank=0, is_driver_worker=True)
         self.collective_rpc("init_device")
@@ -64,11 +64,11 @@ class UniProcExecutor(Executor):
 
 
 class ExecutorWithExternalLauncher(UniProcExecutor):
-    """One process per rank started by an outside launcher (torchrun); needs the distributed
-    groups of the tensor/pipeline-parallel issue."""
+    """One engine per rank, all started by an outside launcher (torchrun), outputs broadcast
+    from the last pipeline rank. Not built yet."""
 
     def _init_executor(self) -> None:
         raise NotImplementedError(
-            "distributed_executor_backend='external_launcher' needs tensor/pipeline "
-            "parallelism, which keel does not have yet; use 'uni'."
+            "distributed_executor_backend='external_launcher' (one engine per rank under "
+            "torchrun) is not implemented in keel yet; use 'mp' for several workers, or 'uni'."
         )

@@ -12,6 +12,11 @@ from keel.attention.layer import kv_cache_bytes_per_block
 from keel.config import EngineConfig
 from keel.core.sched_output import SchedulerOutput
 from keel.cpu_ops import get_cpu_ops
+from keel.distributed import (
+    destroy_model_parallel,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from keel.outputs import ModelRunnerOutput
 from keel.utils import available_memory_bytes, configure_threads
 from keel.worker.model_runner import ModelRunner
@@ -26,22 +31,36 @@ DEFAULT_CPU_KV_MAX_GIB = 4.0
 
 class Worker:
     def __init__(self, config: EngineConfig, local_rank: int = 0, rank: int = 0,
-                 is_driver_worker: bool = True) -> None:
+                 is_driver_worker: bool = True, distributed_init_method: str | None = None
+                 ) -> None:
         self.config = config
         self.local_rank, self.rank = local_rank, rank
+        self.distributed_init_method = distributed_init_method
         self.is_driver_worker = is_driver_worker
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
         self.device = self.config.model_config.torch_device
+        pc = self.config.parallel_config
         if self.device.type == "cuda":
+            if pc.world_size > 1:
+                self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         else:
             configure_threads(self.config.threads)
             get_cpu_ops()  # build/load keel's CPU kernels now, not inside the first step
+        if pc.world_size > 1:
+            # Before the model is built: its layers ask for their shard when constructed.
+            init_distributed_environment(pc.world_size, self.rank, self.distributed_init_method,
+                                         "nccl" if self.device.type == "cuda" else "gloo")
+            initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        # The same seed on every rank: TP ranks sample the same tokens from the same logits.
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.device)
+
+    def get_rank(self) -> int:
+        return self.rank
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -96,3 +115,5 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
+        if self.config.parallel_config.world_size > 1:
+            destroy_model_parallel()

@@ -92,7 +92,9 @@ def test_bad_sampling_params(llm, kwargs, match):
         (dict(kv_cache_memory_gib=1e-6), ValueError, "raise kv_cache_memory_gib"),
         (dict(num_gpu_blocks_override=3), ValueError, "needs 32"),
         (dict(distributed_executor_backend=3.5), ValueError, "Unknown distributed executor"),
-        (dict(distributed_executor_backend="mp"), NotImplementedError, "'mp'"),
+        (dict(tensor_parallel_size=4), ValueError, "must divide the model's 6 attention heads"),
+        (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size must be a positive"),
+        (dict(pipeline_parallel_size=2), NotImplementedError, "pipeline_parallel_size > 1"),
     ],
 )
 def test_bad_engine_options(hf_model_dir, llm, kwargs, exc, match):

@@ -97,7 +97,6 @@ def test_named_backends(model_config, backend, cls):
 
 
 @pytest.mark.parametrize("backend,cls,words", [
-    ("mp", MultiprocExecutor, "'mp'"),
     ("ray", RayDistributedExecutor, "'ray'"),
     ("external_launcher", ExecutorWithExternalLauncher, "'external_launcher'"),
 ])

@@ -32,7 +32,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.tp_size > 1:
+            # The last shard may run past the vocabulary: its tail rows stay zero (never
+            # looked up; their logits are cut off in compute_logits).
             loaded = loaded[self.start : self.start + self.shard]
+            param.data[loaded.shape[0]:].zero_()
+            param = param.data[: loaded.shape[0]]
         default_weight_loader(param, loaded, "embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

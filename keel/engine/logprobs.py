@@ -6,14 +6,11 @@ shows up in another's output."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from keel.outputs import EngineCoreOutput, Logprob, LogprobsLists, PromptLogprobs, SampleLogprobs
 from keel.request import Request
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

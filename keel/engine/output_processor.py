@@ -8,7 +8,6 @@ mode nothing that grows with the output is copied."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +18,6 @@ from keel.engine.parallel_sampling import ParentRequest
 from keel.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
 from keel.request import Request
 from keel.sampling_params import RequestOutputKind
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -4,12 +4,8 @@ under the parent's id here."""
 
 from __future__ import annotations
 
-import logging
-
 from keel.outputs import CompletionOutput
 from keel.sampling_params import RequestOutputKind, SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 class ParentRequest:

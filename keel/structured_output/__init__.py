@@ -130,8 +130,7 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
 class StructuredOutputRequest:
     """One request's compiled grammar (a future until ready) and its matcher."""
 
-    def __init__(self, params: StructuredOutputsParams, compiled: Future) -> None:
-        self.params = params
+    def __init__(self, compiled: Future) -> None:
         self._compiled = compiled
         self.matcher: Any = None
 
@@ -184,7 +183,7 @@ class StructuredOutputManager:
         if future is None or (future.done() and future.exception() is not None):
             future = self._pool.submit(self._compile, params)
             self._cache[key] = future
-        request.structured_output_request = StructuredOutputRequest(params, future)
+        request.structured_output_request = StructuredOutputRequest(future)
         request.status = RequestStatus.WAITING_FOR_FSM
 
     def _compile(self, params: StructuredOutputsParams):

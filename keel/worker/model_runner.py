@@ -4,7 +4,8 @@ One pass is two calls (the seed's steps 4-5):
   execute_model(scheduler_output)  _update_states (diff) -> _prepare_inputs (layout) ->
                                    attention metadata -> forward in set_forward_context ->
                                    logits of the rows at logits_indices -> park, return None
-  sample_tokens(grammar_output)    unpark -> sample -> drop rows still prefilling -> output
+  sample_tokens(grammar_output)    unpark -> grammar bitmask onto the constrained rows ->
+                                   sample -> drop rows still prefilling -> output
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Executors side by side: the round-trip latency of one collective_rpc (a no-op method on
-every worker, the cost each step pays twice: execute_model and sample_tokens), uni vs mp, and
-the throughput of mp with tensor_parallel_size=2 against uni on the same model and token ids.
+every worker, the cost each step pays twice: execute_model and sample_tokens), uni vs mp vs
+ray, and the throughput of tensor_parallel_size=2 (mp and ray) and pipeline_parallel_size=2
+(mp) against uni on the same model and token ids.
 
-The machine has 2 cores: uni runs one process with 2 threads, mp TP=2 two processes with one
-pinned core each (their share). Ray is not built yet (see the executor issue's note).
+The machine has 2 cores: uni runs one process with 2 threads; TP=2 and PP=2 run two processes
+with one pinned core each (their share).
 
 The model is a random Llama (hidden 512, 8 layers, 8 heads, vocab 49152): the default model
 has 9 attention heads, which 2 ranks cannot split.
@@ -74,16 +75,20 @@ def main() -> None:
           f"prompts, {args.max_tokens} new tokens, greedy")
     results = {}
     for name, kwargs in (("uni", {}), ("mp TP=2", dict(tensor_parallel_size=2)),
+                         ("mp PP=2", dict(pipeline_parallel_size=2)),
+                         ("ray TP=2", dict(tensor_parallel_size=2,
+                                           distributed_executor_backend="ray")),
                          ("uni (again)", {})):
         llm = LLM(model, dtype="float32", **kwargs)
         med, p90 = rpc_latency_us(llm)
         tok_s, tokens = throughput(llm, prompts, args.max_tokens)
         results[name] = tokens
-        print(f"{name:>12}: collective_rpc round trip median {med:8.1f} us (p90 {p90:8.1f}) | "
+        print(f"{name:>11}: collective_rpc round trip median {med:8.1f} us (p90 {p90:8.1f}) | "
               f"{tok_s:7.1f} output tok/s")
         llm.close()
-    same = sum(a == b for a, b in zip(results["uni"], results["mp TP=2"]))
-    print(f"greedy sequences identical, uni vs mp TP=2: {same}/{len(prompts)}")
+    for name in ("mp TP=2", "mp PP=2", "ray TP=2"):
+        same = sum(a == b for a, b in zip(results["uni"], results[name]))
+        print(f"greedy sequences identical, uni vs {name}: {same}/{len(prompts)}")
 
 
 if __name__ == "__main__":

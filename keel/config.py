@@ -206,6 +206,12 @@ class EngineConfig:
                 f"tensor_parallel_size={pc.tensor_parallel_size} must divide the model's "
                 f"{heads} attention heads: pick a divisor of {heads}."
             )
+        layers = getattr(self.model_config.hf_config, "num_hidden_layers", 1)
+        if pc.pipeline_parallel_size > layers:
+            raise ValueError(
+                f"pipeline_parallel_size={pc.pipeline_parallel_size} is more than the model's "
+                f"{layers} layers: each pipeline stage needs at least one layer."
+            )
         if pc.distributed_executor_backend is None:
             # The seed: the default is decided here, not in Executor.get_class.
             pc.distributed_executor_backend = "uni" if pc.world_size == 1 else "mp"

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 # ---- logprobs ---------------------------------------------------------------------------------
 
@@ -38,6 +41,20 @@ class Logprob:
 # One dict per generated token; one per prompt token (None for the first, which has no context).
 SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
+
+# ---- pipeline stage -> next stage ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class IntermediateTensors:
+    """What a non-final pipeline stage returns from `execute_model` instead of parking logits:
+    the hidden states and residual after its last layer, which the worker sends on."""
+
+    tensors: dict[str, torch.Tensor]
+
+    def __getitem__(self, key: str):
+        return self.tensors[key]
+
 
 # ---- worker -> engine core ----------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
         structured_output_manager: StructuredOutputManager | None = None,
+        pipeline_parallel: bool = False,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -47,6 +48,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # total, for metrics and tests
         self.structured_output_manager = structured_output_manager
+        # With pipeline stages, only the last one samples: the others learn each pass's
+        # tokens through scheduled_cached_reqs.new_token_ids.
+        self.pipeline_parallel = pipeline_parallel
         self.structured_req_ids: set[str] = set()  # unfinished requests with a grammar
         # Outputs for requests finished outside a step (a grammar that failed to compile),
         # sent with the next update_from_output.
@@ -162,7 +166,11 @@ class Scheduler:
                 cached.new_block_ids.append((list(kv.get_block_ids(rid)),))
             else:
                 cached.new_block_ids.append((new_blocks[rid],) if new_blocks[rid] else None)
-            cached.new_token_ids.append([])  # the runner sampled them itself (single rank)
+            if self.pipeline_parallel:
+                cached.new_token_ids.append(
+                    _token_slice(request, num_scheduled_tokens[rid]))
+            else:
+                cached.new_token_ids.append([])  # the runner sampled them itself
             cached.num_computed_tokens.append(request.num_computed_tokens)
 
         output = SchedulerOutput(
@@ -314,3 +322,13 @@ class Scheduler:
         else:
             return False
         return True
+
+
+def _token_slice(request: Request, num_tokens: int) -> list[int]:
+    """The token ids this pass computes for `request` (without building prompt + output)."""
+    start, prompt, output = request.num_computed_tokens, request.prompt_token_ids, \
+        request.output_token_ids
+    end = start + num_tokens
+    if start >= len(prompt):
+        return output[start - len(prompt) : end - len(prompt)]
+    return prompt[start:end] + output[: max(0, end - len(prompt))]

@@ -69,6 +69,55 @@ def get_pipeline_model_parallel_world_size() -> int:
     return _STATE.pp_size
 
 
+def is_first_pp_rank() -> bool:
+    return _STATE.pp_rank == 0
+
+
+def is_last_pp_rank() -> bool:
+    return _STATE.pp_rank == _STATE.pp_size - 1
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The layers [start, end) of one pipeline stage. Layers are shared out evenly; the
+    remainder goes to the stages before the last (which also computes the logits), as vLLM
+    does. E.g. 30 layers, 4 stages -> 7, 8, 8, 7."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={pp_size} must be between 1 and the model's "
+            f"{num_layers} layers.")
+    sizes = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        sizes[-i] += 1
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
+def _pp_peer(stage_offset: int) -> int:
+    """The global rank of this TP rank's counterpart in the stage `stage_offset` away."""
+    return (_STATE.pp_rank + stage_offset) * _STATE.tp_size + _STATE.tp_rank
+
+
+def send_tensor_dict(tensors: dict[str, torch.Tensor]) -> None:
+    """Send a stage's outputs to the next stage (each TP rank to its counterpart; after the
+    row-parallel all-reduce every TP rank holds the whole hidden state). Keys in sorted order,
+    shapes known on both sides from the SchedulerOutput."""
+    dst = _pp_peer(+1)
+    for key in sorted(tensors):
+        dist.send(tensors[key].contiguous(), dst=dst)
+
+
+def recv_tensor_dict(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """Receive what the previous stage's `send_tensor_dict` sent."""
+    src = _pp_peer(-1)
+    out = {}
+    for key in sorted(shapes):
+        shape, dtype = shapes[key]
+        out[key] = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(out[key], src=src)
+    return out
+
+
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the TP ranks, in place (the partial outputs of a row-parallel layer)."""
     if _STATE.tp_size == 1:

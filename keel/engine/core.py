@@ -26,8 +26,11 @@ class EngineCore:
         num_blocks = self.model_executor.initialize_kv_cache()
         config.cache_config.num_blocks = num_blocks
         self.structured_output_manager = StructuredOutputManager(config)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
-                                   self.structured_output_manager)
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, num_blocks,
+            self.structured_output_manager,
+            pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1,
+        )
         # Aborts that arrive from another thread while a step runs (a server's input thread).
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.first_token_time: float | None = None  # time.monotonic() of the first sample

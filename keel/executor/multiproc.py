@@ -62,6 +62,20 @@ def core_shares(world_size: int) -> list[list[int]]:
     return [cores[r * per : (r + 1) * per] for r in range(world_size)]
 
 
+def prepare_call(executor, method: str | Callable, single_value: bool,
+                 unique_reply_rank: int | None) -> tuple[str | bytes, int | None]:
+    """What every multi-worker collective_rpc does first: refuse once failed, pick the rank
+    that replies (the output rank for execute_model / sample_tokens), and serialise a callable
+    with cloudpickle (a string is sent as is)."""
+    if executor.is_failed:
+        raise RuntimeError("Executor failed.")
+    if single_value and unique_reply_rank is None:
+        unique_reply_rank = executor.output_rank
+    if isinstance(method, str):
+        return method, unique_reply_rank
+    return cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL), unique_reply_rank
+
+
 class FutureWrapper(Future):
     """Resolved lazily: result() reads the responses. Futures are resolved in the order their
     calls were made, since responses arrive in that order on each socket."""
@@ -85,11 +99,6 @@ class FutureWrapper(Future):
 class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         pc = self.config.parallel_config
-        if pc.pipeline_parallel_size > 1:
-            raise NotImplementedError(
-                "pipeline_parallel_size > 1 is not implemented in keel yet; use "
-                "tensor_parallel_size to spread a model over several workers."
-            )
         self.world_size = pc.world_size
         self.is_failed = False
         self._stopping = threading.Event()  # set before workers are stopped on purpose
@@ -139,15 +148,7 @@ class MultiprocExecutor(Executor):
         single_value: bool = False,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        if self.is_failed:
-            raise RuntimeError("Executor failed.")
-        if single_value and unique_reply_rank is None:
-            unique_reply_rank = self.output_rank  # execute_model / sample_tokens
-        output_rank = unique_reply_rank
-        if isinstance(method, str):
-            send_method = method
-        else:
-            send_method = cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
+        send_method, output_rank = prepare_call(self, method, single_value, unique_reply_rank)
         message = pickle.dumps((send_method, args, kwargs or {}, output_rank),
                                protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._request_socks:  # one message, to every worker

@@ -25,7 +25,7 @@ from keel.attention.layer import allocate_kv_caches
 from keel.config import EngineConfig
 from keel.core.sched_output import GrammarOutput, SchedulerOutput
 from keel.model_executor.loader import load_model
-from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, IntermediateTensors, ModelRunnerOutput
 from keel.sample.sampler import Sampler
 from keel.worker.buffers import CpuGpuBuffer
 from keel.worker.input_batch import CachedRequestState, InputBatch
@@ -154,6 +154,14 @@ class ModelRunner:
             num_computed_tokens = req_data.num_computed_tokens[i]
             new_block_ids = req_data.new_block_ids[i]
             req_state.num_computed_tokens = num_computed_tokens
+            new_token_ids = req_data.new_token_ids[i]
+            # Pipeline parallelism: a stage that does not sample learns the sampled tokens
+            # from the scheduler (the tokens this pass computes; those it already holds are
+            # skipped). On one rank the list is empty: the runner sampled them itself.
+            num_new_tokens = num_computed_tokens + len(new_token_ids) - req_state.num_tokens
+            if num_new_tokens > 0:
+                new_token_ids = new_token_ids[-num_new_tokens:]
+                req_state.output_token_ids.extend(new_token_ids)
             if req_id in resumed_req_ids:
                 # Preempted requests lost their blocks: the ids arriving now are the whole
                 # allocation, so they replace the old list instead of extending it.
@@ -170,6 +178,11 @@ class ModelRunner:
                 reqs_to_add.append(req_state)
                 continue
             self.input_batch.num_computed_tokens_cpu[req_index] = num_computed_tokens
+            if num_new_tokens > 0:
+                start = self.input_batch.num_tokens[req_index]
+                end = start + num_new_tokens
+                self.input_batch.token_ids_cpu[req_index, start:end] = new_token_ids
+                self.input_batch.num_tokens[req_index] = end
             if new_block_ids is not None:
                 self.input_batch.block_table.append_row(new_block_ids[0], req_index)
 
@@ -290,7 +303,11 @@ class ModelRunner:
     # ---- step 4: the forward pass -----------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      intermediate_tensors: IntermediateTensors | None = None
+                      ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """None when logits are parked for sample_tokens; on a pipeline stage before the last,
+        the IntermediateTensors for the next stage (the worker sends them)."""
         if self.execute_model_state is not None:
             raise RuntimeError(
                 "State error: sample_tokens() must be called after execute_model() returns None."
@@ -318,7 +335,9 @@ class ModelRunner:
             positions = self.positions.gpu[:num_scheduled_tokens]
 
         with set_forward_context(attn_metadata):
-            hidden_states = self.model(input_ids, positions)  # [num_tokens, hidden]
+            hidden_states = self.model(input_ids, positions, intermediate_tensors)
+        if isinstance(hidden_states, IntermediateTensors):
+            return hidden_states  # not the last stage: nothing to sample, nothing parked
 
         # Only the rows that will be sampled are projected to the vocabulary.
         sample_hidden_states = hidden_states[logits_indices]

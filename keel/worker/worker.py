@@ -16,8 +16,11 @@ from keel.distributed import (
     destroy_model_parallel,
     init_distributed_environment,
     initialize_model_parallel,
+    is_first_pp_rank,
+    recv_tensor_dict,
+    send_tensor_dict,
 )
-from keel.outputs import ModelRunnerOutput
+from keel.outputs import IntermediateTensors, ModelRunnerOutput
 from keel.utils import available_memory_bytes, configure_threads
 from keel.worker.model_runner import ModelRunner
 
@@ -107,8 +110,17 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        # Pipeline-parallel send/recv bookkeeping would live here; at PP size 1 it is a call.
-        return self.model_runner.execute_model(scheduler_output)
+        intermediate_tensors = None
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        if num_tokens and not is_first_pp_rank():
+            # Blocks until the previous stage has run its layers on this pass.
+            shapes = self.model_runner.model.intermediate_tensor_shapes(num_tokens)
+            intermediate_tensors = IntermediateTensors(recv_tensor_dict(shapes, self.device))
+        output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
+        if isinstance(output, IntermediateTensors):
+            send_tensor_dict(output.tensors)
+            return None  # sample_tokens finds nothing parked on this rank
+        return output
 
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput | None:
         return self.model_runner.sample_tokens(grammar_output)

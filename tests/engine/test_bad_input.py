@@ -94,7 +94,7 @@ def test_bad_sampling_params(llm, kwargs, match):
         (dict(distributed_executor_backend=3.5), ValueError, "Unknown distributed executor"),
         (dict(tensor_parallel_size=4), ValueError, "must divide the model's 6 attention heads"),
         (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size must be a positive"),
-        (dict(pipeline_parallel_size=2), NotImplementedError, "pipeline_parallel_size > 1"),
+        (dict(pipeline_parallel_size=9), ValueError, "more than the model.s 3 layers"),
     ],
 )
 def test_bad_engine_options(hf_model_dir, llm, kwargs, exc, match):

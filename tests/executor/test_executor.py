@@ -7,10 +7,11 @@ no model is loaded; one real LLM checks the object graph the engine core reaches
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import ClassVar
 
 import pytest
 
-from keel import LLM
+from keel import LLM, SamplingParams
 from keel.config import EngineConfig, ModelConfig, ParallelConfig
 from keel.executor.abstract import Executor
 from keel.executor.multiproc import MultiprocExecutor
@@ -96,16 +97,35 @@ def test_named_backends(model_config, backend, cls):
     assert issubclass(resolved, Executor)
 
 
-@pytest.mark.parametrize("backend,cls,words", [
-    ("ray", RayDistributedExecutor, "'ray'"),
-    ("external_launcher", ExecutorWithExternalLauncher, "'external_launcher'"),
-])
-def test_unimplemented_backends_fail_clearly_at_construction(model_config, backend, cls, words):
-    cfg = engine_config(model_config, backend)
+def test_external_launcher_fails_clearly_at_construction(model_config):
+    cfg = engine_config(model_config, "external_launcher")
     with pytest.raises(NotImplementedError) as exc:
         Executor.get_class(cfg)(cfg)
     msg = str(exc.value)
-    assert words in msg and "not" in msg and "'uni'" in msg
+    assert "'external_launcher'" in msg and "not" in msg and "'mp'" in msg
+
+
+class CountingExecutor(UniProcExecutor):
+    """A user's own executor: every call still goes through collective_rpc."""
+
+    calls: ClassVar[list] = []
+
+    def collective_rpc(self, method, *args, **kwargs):
+        CountingExecutor.calls.append(method if isinstance(method, str) else "<callable>")
+        return super().collective_rpc(method, *args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", [CountingExecutor, f"{__name__}.CountingExecutor"])
+def test_llm_uses_a_custom_executor_given_as_class_or_qualified_name(hf_model_dir, backend):
+    CountingExecutor.calls.clear()
+    llm = LLM(hf_model_dir("llama"), dtype="float32", distributed_executor_backend=backend)
+    assert type(llm.engine_core.model_executor) is CountingExecutor
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                       SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert CountingExecutor.calls[:2] == ["init_device", "load_model"]
+    assert CountingExecutor.calls.count("execute_model") == 3
+    assert CountingExecutor.calls.count("sample_tokens") == 3
 
 
 def test_qualified_name_resolves_to_executor_subclass(model_config):

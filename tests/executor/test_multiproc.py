@@ -75,9 +75,9 @@ def test_worker_exception_surfaces_at_future_result(hf_model_dir):
     assert_gone(pids)
 
 
-def test_killed_worker_fails_generate_quickly_and_leaves_nothing(hf_model_dir):
-    llm = LLM(hf_model_dir("llama"), dtype="float32", tensor_parallel_size=2)
-    pids = worker_pids(llm)
+def kill_mid_generate_and_check(llm: LLM, pid: int) -> None:
+    """SIGKILL `pid` at the third step of a long generate: the call must raise within 10 s
+    of the kill, and the executor refuse every later call."""
     core = llm.engine_core
     real_step = core.step
     steps = {"n": 0}
@@ -85,7 +85,7 @@ def test_killed_worker_fails_generate_quickly_and_leaves_nothing(hf_model_dir):
     def step_then_kill():
         steps["n"] += 1
         if steps["n"] == 3:  # in the middle of generate
-            os.kill(pids[1], signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             steps["killed_at"] = time.monotonic()
         return real_step()
 
@@ -97,13 +97,68 @@ def test_killed_worker_fails_generate_quickly_and_leaves_nothing(hf_model_dir):
     assert core.model_executor.is_failed
     with pytest.raises(RuntimeError, match="Executor failed"):
         core.model_executor.collective_rpc("determine_num_blocks")
+
+
+def test_killed_worker_fails_generate_quickly_and_leaves_nothing(hf_model_dir):
+    llm = LLM(hf_model_dir("llama"), dtype="float32", tensor_parallel_size=2)
+    pids = worker_pids(llm)
+    kill_mid_generate_and_check(llm, pids[1])
     llm.close()
     assert_gone(pids)
 
 
-def test_pipeline_parallel_is_refused_before_starting_anything(hf_model_dir):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # 3 layers untied; 2 layers tied
+def test_pipeline_parallel_outputs_equal_uni(hf_model_dir, arch):
+    folder = hf_model_dir(arch)
+    params = [GREEDY] * 3 + [SEEDED]
+    # A small token budget: prompts are chunked, so a stage receives prefills that start
+    # mid-prompt and decodes side by side with them.
+    kwargs = dict(dtype="float32", max_num_batched_tokens=32)
+    expected = LLM(folder, **kwargs).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(folder, pipeline_parallel_size=2, **kwargs)
+    executor = llm.engine_core.model_executor
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    # The first stage never samples: it embeds each decode's token from the ids the
+    # scheduler sends back in new_token_ids, so equal tokens show that path too.
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+    def layout(worker):
+        model = worker.model_runner.model
+        has = [type(layer).__name__ != "PPMissingLayer" for layer in model.model.layers]
+        return has, type(model.lm_head).__name__, len(worker.model_runner.kv_caches)
+
+    layers = llm.config.model_config.hf_config.num_hidden_layers
+    (first, head0, caches0), (last, head1, caches1) = executor.collective_rpc(layout)
+    # Every layer on exactly one stage; the KV cache only for a stage's own layers; the
+    # logits only on the last stage.
+    assert [a != b for a, b in zip(first, last)] == [True] * layers and first[0] and last[-1]
+    assert caches0 + caches1 == layers and caches0 == sum(first)
+    assert (head0, head1) == ("PPMissingLayer", "ParallelLMHead")
+    pids = worker_pids(llm)
+    llm.close()
+    assert_gone(pids)
+
+
+def test_tensor_and_pipeline_parallel_together(hf_model_dir):
+    """TP=2 x PP=2 (4 processes on 2 cores, one thread each): still the same tokens."""
+    folder = hf_model_dir("llama")
+    expected = LLM(folder, dtype="float32").generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    llm = LLM(folder, dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2)
+    got = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    ranks = llm.engine_core.model_executor.collective_rpc(
+        lambda w: (w.rank, w.model_runner.model.model.layers[0].self_attn.num_heads
+                   if w.rank < 2 else None))
+    heads = llm.config.model_config.hf_config.num_attention_heads // 2
+    assert ranks == [(0, heads), (1, heads), (2, None), (3, None)]
+    pids = worker_pids(llm)
+    llm.close()
+    assert_gone(pids)
+
+
+def test_pipeline_larger_than_the_model_is_refused_before_starting_anything(hf_model_dir):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_size > 1"):
-        LLM(hf_model_dir("llama"), dtype="float32", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 is more than the model's 3"):
+        LLM(hf_model_dir("llama"), dtype="float32", pipeline_parallel_size=4)
     after = {p.pid for p in psutil.Process().children(recursive=True)}
     assert after <= before

@@ -17,6 +17,11 @@ from transformers.activations import ACT2FN
 
 from keel.attention.layer import Attention
 from keel.cpu_ops import cpu_ops_for
+from keel.distributed import (
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size,
+    get_pp_indices,
+)
 from keel.model_executor.layers.layernorm import RMSNorm
 from keel.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -27,6 +32,7 @@ from keel.model_executor.layers.linear import (
 from keel.model_executor.layers.rotary_embedding import RotaryEmbedding
 from keel.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from keel.model_executor.weight_errors import WeightLoadError
+from keel.outputs import IntermediateTensors
 
 
 def _sliding_window(config: Any, layer_idx: int) -> int | None:
@@ -116,20 +122,45 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class PPMissingLayer(nn.Identity):
+    """Stands in for a layer that lives on another pipeline stage, so that parameter names
+    (`model.layers.17. ...`) are the same on every stage."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, dtype) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        pp_rank, pp_size = get_pipeline_model_parallel_rank(), get_pipeline_model_parallel_world_size()
+        self.is_first_rank, self.is_last_rank = pp_rank == 0, pp_rank == pp_size - 1
+        self.start_layer, self.end_layer = get_pp_indices(config.num_hidden_layers, pp_rank,
+                                                          pp_size)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        # The last stage keeps a tied embedding too: it is the LM head's weight.
+        if self.is_first_rank or (tied and self.is_last_rank):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                       dtype)
+        else:
+            self.embed_tokens = PPMissingLayer()
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, qkv_bias, qk_norm, dtype)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+                     if self.is_last_rank else PPMissingLayer())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_rank:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:  # the previous stage's output
+            hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors[
+                "residual"]
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -149,15 +180,33 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
+        self.dtype = dtype
         self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            self.lm_head.tied = True
+        if not self.model.is_last_rank:
+            self.lm_head = PPMissingLayer()
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+                self.lm_head.tied = True
+        # Checkpoint tensors under these prefixes belong to other pipeline stages.
+        self._other_stages = tuple(
+            f"{name}." for name, module in self.named_modules()
+            if isinstance(module, PPMissingLayer)
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [T, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        # [T, hidden] on the last pipeline stage; hidden states and residual on the others.
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def intermediate_tensor_shapes(self, num_tokens: int
+                                   ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each tensor the previous pipeline stage sends."""
+        shape = (num_tokens, self.config.hidden_size)
+        return {"hidden_states": (shape, self.dtype), "residual": (shape, self.dtype)}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)  # [n, vocab] float32
@@ -188,6 +237,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # a cache some old checkpoints saved; recomputed from config
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the projection
+            if name.startswith(self._other_stages):
+                continue  # another pipeline stage loads it
             for merged_name, hf_name, shard_id in self.stacked_params_mapping:
                 if f".{hf_name}." not in name:
                     continue

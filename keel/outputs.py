@@ -92,9 +92,21 @@ class EngineCoreOutput:
 
 
 @dataclass(slots=True)
+class SchedulerStats:
+    """The scheduler's state after a step, for metrics (the server's /metrics)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # share of KV blocks in use, 0..1
+    num_preemptions_total: int = 0
+
+
+@dataclass(slots=True)
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     finished_requests: set[str] = field(default_factory=set)
+    # Set by the engine-core process on what it sends to the front end.
+    scheduler_stats: SchedulerStats | None = None
 
 # ---- front end -> user --------------------------------------------------------------------------
 

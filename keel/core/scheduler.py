@@ -22,7 +22,7 @@ from keel.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from keel.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
+from keel.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from keel.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -90,6 +90,15 @@ class Scheduler:
     def has_requests(self) -> bool:
         # Finished ids still to be sent count: the runner must see them to clean its batch.
         return self.has_unfinished_requests() or bool(self.finished_req_ids)
+
+    def make_stats(self) -> SchedulerStats:
+        pool = self.kv_cache_manager.block_pool
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=1.0 - pool.get_num_free_blocks() / pool.num_blocks,
+            num_preemptions_total=self.num_preemptions,
+        )
 
     # ---- one step ---------------------------------------------------------------------------
 

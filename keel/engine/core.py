@@ -3,14 +3,16 @@ model runner, only the executor."""
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import time
+from typing import Any
 
 from keel.config import EngineConfig
 from keel.core.scheduler import Scheduler
 from keel.executor.abstract import Executor
-from keel.outputs import EngineCoreOutputs
+from keel.outputs import EngineCoreOutputs, SchedulerStats
 from keel.request import Request, RequestStatus
 from keel.structured_output import StructuredOutputManager
 
@@ -74,3 +76,140 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
+
+
+# ---- the engine core in its own process ---------------------------------------------------------
+
+
+class EngineCoreRequestType(enum.Enum):
+    """What the front end sends to the engine-core process: (type, payload), pickled."""
+
+    ADD = "add"  # payload: Request
+    ABORT = "abort"  # payload: list of request ids
+    UTILITY = "utility"  # payload: (call_id, method name, args)
+    SHUTDOWN = "shutdown"
+
+
+class EngineCoreOutputType(enum.Enum):
+    """What the engine-core process sends back: (type, payload), pickled."""
+
+    OUTPUTS = "outputs"  # payload: EngineCoreOutputs with scheduler_stats
+    UTILITY = "utility"  # payload: (call_id, ok, result or error message)
+
+
+_IDLE_POLL_MS = 1000  # an idle engine wakes up this often (nothing else to do)
+_WAITING_POLL_MS = 1  # requests wait (a grammar compiling) but nothing could be scheduled
+
+
+class EngineCoreProc(EngineCore):
+    """The engine core's busy loop in its own process: take input, `step()` while there is
+    work, send outputs; block on input when idle. It only ever sees token ids: tokenizing and
+    detokenizing stay in the front end (AsyncLLM)."""
+
+    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str) -> None:
+        import zmq
+
+        super().__init__(config)
+        self.ctx = zmq.Context()
+        self.input_socket = self.ctx.socket(zmq.PULL)
+        self.input_socket.connect(input_addr)
+        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.connect(output_addr)
+        self._stats_dirty = False  # an abort changed the state, and no step reported it yet
+
+    @staticmethod
+    def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                        ready_pipe, parent_pid: int) -> None:
+        """The process's entry point: build the engine (load the model), report ready (or the
+        error) over `ready_pipe`, then serve until told to shut down."""
+        import signal
+        import traceback
+
+        from keel.executor.multiproc import _die_with_parent
+
+        _die_with_parent(parent_pid)
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        engine = None
+        try:
+            engine = EngineCoreProc(config, input_addr, output_addr)
+            ready_pipe.send(("ready", {"num_blocks": config.cache_config.num_blocks}))
+            ready_pipe.close()
+            engine.run_busy_loop()
+        except SystemExit:
+            pass
+        except BaseException as e:  # reported to the front end, then the process exits
+            traceback.print_exc()
+            if engine is None:
+                ready_pipe.send(("failed", f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            if engine is not None:
+                engine.shutdown()
+
+    def run_busy_loop(self) -> None:
+        while True:
+            if not self.scheduler.has_requests():
+                timeout = _IDLE_POLL_MS
+            else:
+                timeout = 0
+            if self._process_input(timeout):
+                return  # shut down
+            outputs, model_executed = self.step()
+            batch = outputs.get(0)
+            if batch is not None or self._stats_dirty:
+                batch = batch or EngineCoreOutputs()
+                batch.scheduler_stats = self.scheduler.make_stats()
+                self._send(EngineCoreOutputType.OUTPUTS, batch)
+                self._stats_dirty = False
+            if not model_executed and self.scheduler.has_unfinished_requests():
+                # Waiting on something outside the model (a grammar compiling): don't spin.
+                self._process_input(_WAITING_POLL_MS)
+
+    def _process_input(self, timeout_ms: int) -> bool:
+        """Handle every message waiting (waiting up to timeout_ms for the first one).
+        Returns True on shutdown."""
+        import pickle
+
+        import zmq
+
+        sock = self.input_socket
+        if not sock.poll(timeout_ms):
+            return False
+        while True:
+            try:
+                kind, payload = pickle.loads(sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return False
+            if kind == EngineCoreRequestType.ADD:
+                self.add_request(payload)
+            elif kind == EngineCoreRequestType.ABORT:
+                self.abort_requests(payload)
+                self._stats_dirty = True
+            elif kind == EngineCoreRequestType.UTILITY:
+                call_id, method, args = payload
+                try:
+                    result = (True, getattr(self, method)(*args))
+                except Exception as e:  # noqa: BLE001 - the caller gets the error
+                    result = (False, f"{type(e).__name__}: {e}")
+                self._send(EngineCoreOutputType.UTILITY, (call_id, *result))
+            elif kind == EngineCoreRequestType.SHUTDOWN:
+                return True
+
+    def _send(self, kind: EngineCoreOutputType, payload: Any) -> None:
+        import pickle
+
+        self.output_socket.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+    # Utility methods the front end may call by name.
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for sock in (self.input_socket, self.output_socket):
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+def _exit_on_signal(*_: Any) -> None:
+    raise SystemExit(0)  # unwinds the busy loop, so `finally` stops the workers

@@ -5,11 +5,24 @@ the engine, so a bad request costs nothing to the others."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from keel.config import EngineConfig
+from keel.engine.parallel_sampling import ParentRequest
 from keel.request import Request
 from keel.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ProcessedPrompt:
+    """One prompt, ready for the engine: one request, or n children sharing the prompt."""
+
+    request_id: str  # what the user gets back (the parent's id when n > 1)
+    prompt: str | None
+    requests: list[Request]  # one per completion
+    parent: ParentRequest | None
 
 
 class InputProcessor:
@@ -122,3 +135,18 @@ class InputProcessor:
                 if ids and ids not in out and all(0 <= t < self.vocab_size for t in ids):
                     out.append(ids)
         return out
+
+    def process_prompt(self, request_id: str, prompt: str | dict, params: SamplingParams
+                       ) -> ProcessedPrompt:
+        """`process`, then split an n > 1 request into its children (ParentRequest)."""
+        request, text = self.process(request_id, prompt, params)
+        if request.sampling_params.n == 1:
+            return ProcessedPrompt(request_id, text, [request], None)
+        parent = ParentRequest(request_id, request.sampling_params)
+        children = []
+        for index in range(request.sampling_params.n):
+            child_id, child_params = parent.get_child_info(index)
+            children.append(dataclasses.replace(
+                request, request_id=child_id, sampling_params=child_params, output_token_ids=[]
+            ))
+        return ProcessedPrompt(request_id, text, children, parent)

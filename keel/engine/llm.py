@@ -3,22 +3,18 @@ finish, and detokenizes."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from keel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from keel.engine.arg_utils import EngineArgs
 from keel.engine.core import EngineCore
-from keel.engine.input_processor import InputProcessor
+from keel.engine.input_processor import InputProcessor, ProcessedPrompt
 from keel.engine.output_processor import OutputProcessor
-from keel.engine.parallel_sampling import ParentRequest
 from keel.outputs import RequestOutput
-from keel.request import Request
 from keel.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -26,57 +22,14 @@ logger = logging.getLogger(__name__)
 Prompt = str | dict[str, Any]
 
 
-@dataclass(slots=True)
-class _Processed:
-    request_id: str  # what the user gets back (the parent's id when n > 1)
-    prompt: str | None
-    requests: list[Request]  # one per completion
-    parent: ParentRequest | None
-
-
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        kv_cache_memory_gib: float | None = None,
-        num_gpu_blocks_override: int | None = None,
-        distributed_executor_backend: str | type | None = None,
-        seed: int = 0,
-        device: str = "auto",
-        threads: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        max_logprobs: int = 20,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-    ) -> None:
-        config = EngineConfig(
-            model_config=ModelConfig(
-                model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
-                max_logprobs=max_logprobs,
-            ),
-            cache_config=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_gib=kv_cache_memory_gib,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-                gpu_memory_utilization=gpu_memory_utilization,
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
-            ),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size,
-                pipeline_parallel_size=pipeline_parallel_size,
-                distributed_executor_backend=distributed_executor_backend,
-            ),
-            threads=threads,
-        )
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`model`: an HF folder or .gguf file (None: the default model); `kwargs`: any other
+        field of EngineArgs (keel/engine/arg_utils.py), e.g. dtype, max_model_len,
+        tensor_parallel_size."""
+        config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.config = config
-        self.tokenizer = _load_tokenizer(config.model_config.model_path)
+        self.tokenizer = load_tokenizer(config.model_config.model_path)
         self.engine_core = EngineCore(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -105,23 +58,12 @@ class LLM:
         processed = [self._process(p, sp) for p, sp in zip(prompts, params)]
         return self._run(processed, use_tqdm)
 
-    def _process(self, prompt: Prompt, params: SamplingParams) -> _Processed:
-        """One prompt -> its engine requests: one, or n children that share the prompt."""
+    def _process(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
         if isinstance(params, SamplingParams):
             params = params.clone()
             params.output_kind = RequestOutputKind.FINAL_ONLY  # offline: one output each
-        request_id = str(next(self._request_counter))
-        request, text = self.input_processor.process(request_id, prompt, params)
-        if request.sampling_params.n == 1:
-            return _Processed(request_id, text, [request], None)
-        parent = ParentRequest(request_id, request.sampling_params)
-        children = []
-        for index in range(request.sampling_params.n):
-            child_id, child_params = parent.get_child_info(index)
-            children.append(dataclasses.replace(
-                request, request_id=child_id, sampling_params=child_params, output_token_ids=[]
-            ))
-        return _Processed(request_id, text, children, parent)
+        return self.input_processor.process_prompt(str(next(self._request_counter)), prompt,
+                                                   params)
 
     def chat(
         self,
@@ -149,7 +91,7 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, processed: list[_Processed], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
         core, out_proc = self.engine_core, self.output_processor
         for item in processed:
             for index, request in enumerate(item.requests):
@@ -193,7 +135,7 @@ class LLM:
     close = shutdown
 
 
-def _load_tokenizer(path):
+def load_tokenizer(path):
     from transformers import AutoTokenizer
 
     try:

@@ -65,15 +65,66 @@ def build_parser() -> argparse.ArgumentParser:
                     "a file)")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap each prompt in the model's chat template when it has one")
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF model folder or .gguf file (default: the default model)")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
+                   "loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on "
+                   "/v1 routes (default: $KEEL_API_KEY, else none)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients use (default: the model argument)")
+    s.add_argument("--max-request-body-bytes", type=int, default=10 << 20)
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+    c = sub.add_parser("chat", help="chat with a model in the terminal, streaming its answers")
+    c.add_argument("model_tag", nargs="?", default=None, metavar="MODEL")
+    add_engine_args(c)
+    c.add_argument("--system", default=None, help="a system prompt")
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--top-p", type=float, default=0.9)
     return p
 
 
+def engine_args_of(args: argparse.Namespace):
+    from keel.engine.arg_utils import EngineArgs
+
+    kwargs = engine_kwargs(args)
+    if getattr(args, "model_tag", None) is not None:
+        if kwargs["model"] is not None and kwargs["model"] != args.model_tag:
+            raise ValueError("Give the model once: as the MODEL argument or as --model.")
+        kwargs["model"] = args.model_tag
+    return EngineArgs(**kwargs)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    import os
+
+    from keel.entrypoints.openai.api_server import run_server
+
+    engine_args = engine_args_of(args)
+    run_server(engine_args, host=args.host, port=args.port,
+               api_key=args.api_key or os.environ.get("KEEL_API_KEY") or None,
+               served_model_name=args.served_model_name,
+               max_body_bytes=args.max_request_body_bytes, log_level=args.uvicorn_log_level)
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    from keel.entrypoints.chat import chat_loop
+
+    chat_loop(engine_args_of(args), system=args.system, max_tokens=args.max_tokens,
+              temperature=args.temperature, top_p=args.top_p)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ["model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-             "block_size", "kv_cache_memory_gib", "gpu_memory_utilization",
-             "num_gpu_blocks_override", "distributed_executor_backend", "seed", "device",
-             "threads", "max_logprobs", "tensor_parallel_size", "pipeline_parallel_size"]
-    return {n: getattr(args, n) for n in names}
+    from keel.engine.arg_utils import EngineArgs
+
+    return {n: getattr(args, n) for n in EngineArgs.field_names()}
 
 
 def structured_outputs(args: argparse.Namespace):
@@ -134,8 +185,9 @@ def run_generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    run = {"generate": run_generate, "serve": run_serve, "chat": run_chat}[args.command]
     try:
-        run_generate(args)
+        run(args)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
         print(f"keel: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,56 @@
+"""EngineArgs: every engine option in one place. `LLM(**kwargs)`, `AsyncLLM` and the CLI
+(`keel generate`, `keel serve`) all build their EngineConfig from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from keel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF folder or .gguf file; None: the default model
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_gib: float | None = None
+    num_gpu_blocks_override: int | None = None
+    distributed_executor_backend: str | type | None = None
+    seed: int = 0
+    device: str = "auto"
+    threads: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_logprobs: int = 20
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def create_engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model_config=ModelConfig(
+                model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
+                seed=self.seed, device=self.device, max_logprobs=self.max_logprobs,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_gib=self.kv_cache_memory_gib,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            threads=self.threads,
+        )

@@ -13,7 +13,7 @@ import hmac
 import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -45,6 +45,13 @@ _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFou
                 503: "ServiceUnavailableError"}
 
 
+# What the generation routes may answer besides 200 (in the OpenAPI document).
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": _ERROR_TYPES[status]}
+    for status in (400, 401, 404, 413, 503)
+}
+
+
 def error_response(message: str, status: int, param: str | None = None,
                    err_type: str | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=err_type or _ERROR_TYPES.get(
@@ -52,29 +59,32 @@ def error_response(message: str, status: int, param: str | None = None,
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class RequestGate:
+    """ASGI middleware in front of the app: the API key on /v1 routes (401 without it), then
+    the body size (413 over `max_bytes`, whether the body declares its length or streams in
+    chunks). Plain ASGI rather than @app.middleware, so that an error raised while the body is
+    read reaches FastAPI as it is."""
 
-
-class BodySizeLimit:
-    """ASGI middleware: refuse a body over `max_bytes` with 413, whether it declares its
-    length (Content-Length) or streams it in chunks."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = error_response(
-            f"The request body is larger than {self.max_bytes} bytes.", 413)
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await too_large(scope, receive, send)
-                return
+        headers = dict(scope.get("headers", ()))
+        if self.expected is not None and scope["path"].startswith("/v1") and \
+                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            await error_response("Invalid or missing API key: send 'Authorization: Bearer "
+                                 "<key>'.", 401)(scope, receive, send)
+            return
+        too_large = f"The request body is larger than {self.max_bytes} bytes."
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await error_response(too_large, 413)(scope, receive, send)
+            return
         received = 0
-        started = False
 
         async def limited_receive():
             nonlocal received
@@ -82,19 +92,11 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _BodyTooLarge
+                    # FastAPI passes an HTTPException from reading the body through as is.
+                    raise HTTPException(413, too_large)
             return message
 
-        async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await too_large(scope, receive, send)
+        await self.app(scope, limited_receive, send)
 
 
 def _first_error(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -135,16 +137,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     async def _serving_error(_: Request, exc: ServingError):
         return error_response(exc.message, exc.status, exc.param, exc.err_type)
 
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response("Invalid or missing API key: send "
-                                      "'Authorization: Bearer <key>'.", 401)
-        return await call_next(request)
-
-    @app.get("/health")
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
         if engine.errored:
             return error_response(f"The engine failed: {engine.engine_core.dead_reason}", 503)
@@ -162,7 +155,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             return Response("", media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(stat_logger.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList,
+             responses={401: {"model": ErrorResponse}})
     async def models() -> ModelList:
         root = str(engine.model_config.model_path)
         return ModelList(data=[ModelCard(id=name, root=root,
@@ -174,15 +168,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             return StreamingResponse(result, media_type="text/event-stream")
         return JSONResponse(result.model_dump())
 
-    @app.post("/v1/completions", responses={400: {"model": ErrorResponse}})
+    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def create_completion(request: CompletionRequest):
         return _respond(await completion.create_completion(request))
 
-    @app.post("/v1/chat/completions", responses={400: {"model": ErrorResponse}})
+    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def create_chat_completion(request: ChatCompletionRequest):
         return _respond(await chat.create_chat_completion(request))
 
-    return BodySizeLimit(app, max_body_bytes) if max_body_bytes else app
+    return RequestGate(app, api_key, max_body_bytes)
 
 
 def run_server(engine_args, host: str = "127.0.0.1", port: int = 8000,

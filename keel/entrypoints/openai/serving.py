@@ -144,9 +144,6 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest):
         model = self.check_model(request.model)
-        if request.echo and request.logprobs is not None:
-            raise ServingError("echo together with logprobs is not supported by keel yet: "
-                               "drop one of them.", param="echo")
         try:
             params = request.to_sampling_params(None)
         except ValueError as e:
@@ -164,10 +161,17 @@ class OpenAIServingCompletion(OpenAIServing):
             return out.prompt
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer else ""
 
-    def _logprobs(self, request: CompletionRequest, c: CompletionOutput, offset: int):
+    def _logprobs(self, request: CompletionRequest, c: CompletionOutput, offset: int,
+                  echoed: RequestOutput | None = None):
+        """The choice's logprobs; with `echoed` (echo, first chunk) the prompt's come first
+        (its first token has none)."""
         if request.logprobs is None or c.logprobs is None:
             return None
-        return completion_logprobs(c.token_ids, c.logprobs, self.tokenizer, offset)
+        token_ids, logprobs = c.token_ids, c.logprobs
+        if echoed is not None and echoed.prompt_logprobs is not None:
+            token_ids = list(echoed.prompt_token_ids) + list(token_ids)
+            logprobs = list(echoed.prompt_logprobs) + list(logprobs)
+        return completion_logprobs(token_ids, logprobs, self.tokenizer, offset)
 
     async def _full(self, request, model, request_id, streams) -> CompletionResponse:
         finals: dict[int, RequestOutput] = {}
@@ -186,37 +190,36 @@ class OpenAIServingCompletion(OpenAIServing):
                 usage.completion_tokens += len(c.token_ids)
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + c.index, text=prefix + c.text,
-                    logprobs=self._logprobs(request, c, 0), finish_reason=c.finish_reason,
+                    logprobs=self._logprobs(request, c, 0, out if request.echo else None),
+                    finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, request, model, request_id, streams) -> AsyncIterator[str]:
         usage = UsageInfo()
-        offsets: dict[tuple[int, int], int] = {}  # text offset of each choice, for logprobs
-        echoed: set[int] = set()
+        offsets: dict[tuple[int, int], int] = {}  # (prompt, choice) -> text sent so far
+        seen: set[int] = set()  # prompts whose first output arrived (counted in usage)
         try:
             async for i, out in _merge(streams):
-                choices = []
-                if i not in echoed:
-                    echoed.add(i)
+                if i not in seen:
+                    seen.add(i)
                     usage.prompt_tokens += len(out.prompt_token_ids)
-                prefix = ""
-                if request.echo and not offsets.get((i, -1)):
-                    offsets[(i, -1)] = 1
-                    prefix = self._echo_prefix(request, out)
+                choices = []
                 for c in out.outputs:
                     usage.completion_tokens += len(c.token_ids)
+                    key = (i, c.index)
+                    first = key not in offsets
+                    prefix = self._echo_prefix(request, out) if first else ""
                     if not (c.text or prefix or c.finish_reason or c.logprobs):
                         continue  # tokens that do not complete a character yet
-                    key = (i, c.index)
                     offset = offsets.get(key, 0)
-                    offsets[key] = offset + len(c.text)
+                    offsets[key] = offset + len(prefix) + len(c.text)
+                    echoed = out if first and request.echo else None
                     choices.append(CompletionResponseChoice(
                         index=i * request.n + c.index, text=prefix + c.text,
-                        logprobs=self._logprobs(request, c, offset),
+                        logprobs=self._logprobs(request, c, offset, echoed),
                         finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                    prefix = ""
                 if choices:
                     yield _sse(CompletionStreamResponse(id=request_id, model=model,
                                                         choices=choices))

@@ -55,6 +55,23 @@ def test_echo_returns_the_prompt_first(client):
     assert out.choices[0].text.startswith("hello world")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_too(client, stream):
+    kwargs = dict(model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0,
+                  echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    if stream:
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)
+                  if c.choices]
+        tokens = [t for c in chunks for t in c.logprobs.tokens]
+        token_logprobs = [t for c in chunks for t in c.logprobs.token_logprobs]
+    else:
+        lp = client.completions.create(**kwargs).choices[0].logprobs
+        tokens, token_logprobs = lp.tokens, lp.token_logprobs
+    assert len(tokens) == 4 + 3
+    assert token_logprobs[0] is None  # the first prompt token has no context
+    assert all(x is not None and x <= 0 for x in token_logprobs[1:])
+
+
 def test_chat_completion(client):
     out = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "system", "content": "be brief"},

@@ -26,12 +26,17 @@ def test_tiny_model_without_chat_template(capsys, hf_model_dir):
 
 
 def test_every_llm_option_is_a_flag():
-    import inspect
+    """LLM(**kwargs) takes exactly EngineArgs' fields; generate and serve have a flag for
+    each, with EngineArgs' default."""
+    import dataclasses
 
-    from keel import LLM
+    from keel.engine.arg_utils import EngineArgs
 
-    args = build_parser().parse_args(["generate", "x"])
-    assert set(engine_kwargs(args)) == set(inspect.signature(LLM).parameters)
+    for argv in (["generate", "x"], ["serve"], ["chat"]):
+        args = build_parser().parse_args(argv)
+        kwargs = engine_kwargs(args)
+        assert set(kwargs) == set(EngineArgs.field_names())
+        assert kwargs == dataclasses.asdict(EngineArgs()), argv
 
 
 def test_bad_flag_is_a_clear_error(capsys, hf_model_dir):

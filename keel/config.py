@@ -143,6 +143,7 @@ class CacheConfig:
     kv_cache_memory_gib: float | None = None  # None: a modest share of available memory
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True  # as in vLLM v1
     num_blocks: int = field(init=False, default=0)  # set by the worker after sizing
 
     def __post_init__(self) -> None:

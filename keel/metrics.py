@@ -47,6 +47,10 @@ class PrometheusStatLogger:
         self.kv_cache_usage = gauge("keel:kv_cache_usage_perc",
                                     "KV-cache usage: 1 means every block is in use.")
         self.num_preemptions = counter("keel:num_preemptions", "Preemptions, cumulative.")
+        self.prefix_cache_queries = counter("keel:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("keel:prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("keel:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("keel:generation_tokens", "Generated tokens.")
         self.request_success = Counter(
@@ -65,7 +69,7 @@ class PrometheusStatLogger:
             "keel:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
         self.model_name = model_name
         self._requests: dict[str, _RequestTimes] = {}
-        self._preemptions_seen = 0
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}  # engine totals counted
 
     def record_request_added(self, request_id: str, num_prompt_tokens: int, now: float) -> None:
         self._requests[request_id] = _RequestTimes(now, num_prompt_tokens)
@@ -99,9 +103,13 @@ class PrometheusStatLogger:
             self.num_requests_running.set(stats.num_running_reqs)
             self.num_requests_waiting.set(stats.num_waiting_reqs)
             self.kv_cache_usage.set(stats.kv_cache_usage)
-            if stats.num_preemptions_total > self._preemptions_seen:
-                self.num_preemptions.inc(stats.num_preemptions_total - self._preemptions_seen)
-                self._preemptions_seen = stats.num_preemptions_total
+            for key, counter, total in (
+                    ("preemptions", self.num_preemptions, stats.num_preemptions_total),
+                    ("queries", self.prefix_cache_queries, stats.prefix_cache_queries),
+                    ("hits", self.prefix_cache_hits, stats.prefix_cache_hits)):
+                if total > self._seen[key]:  # the engine sends totals; counters take deltas
+                    counter.inc(total - self._seen[key])
+                    self._seen[key] = total
 
     def record_aborted(self, request_ids: list[str], now: float | None = None) -> None:
         import time

@@ -83,6 +83,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id (or, front end, stop string)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     new_logprobs: LogprobsLists | None = None  # one row per new token
     new_prompt_logprobs: LogprobsLists | None = None  # one row per prompt position this pass
 
@@ -99,6 +100,8 @@ class SchedulerStats:
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0  # share of KV blocks in use, 0..1
     num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
+    prefix_cache_hits: int = 0  # of which were found cached
 
 
 @dataclass(slots=True)
@@ -134,3 +137,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

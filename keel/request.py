@@ -48,6 +48,10 @@ class Request:
     stop_reason: int | None = None  # the stop token id that ended it, if any
     # Its grammar and matcher, when it asked for structured outputs (set by the engine core).
     structured_output_request: Any = None
+    # Prefix caching: the hash of each full block (keel/core/kv_cache_utils.py), and how many
+    # prompt tokens the first scheduling found cached (-1 before it).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = -1
 
     @property
     def use_structured_output(self) -> bool:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from keel.config import CacheConfig, SchedulerConfig
 from keel.core.kv_cache_manager import KVCacheManager
+from keel.core.kv_cache_utils import update_block_hashes
 from keel.core.sched_output import (
     CachedRequestData,
     GrammarOutput,
@@ -40,7 +41,10 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size)
+        self.block_size = cache_config.block_size
+        self.enable_caching = cache_config.enable_prefix_caching
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
+                                               self.enable_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -59,6 +63,8 @@ class Scheduler:
     # ---- requests in and out ----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        if self.enable_caching:
+            update_block_hashes(request, self.block_size)
         self.waiting.append(request)
         self.requests[request.request_id] = request
         if request.use_structured_output:
@@ -96,8 +102,10 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=1.0 - pool.get_num_free_blocks() / pool.num_blocks,
+            kv_cache_usage=pool.get_usage(),
             num_preemptions_total=self.num_preemptions,
+            prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
         )
 
     # ---- one step ---------------------------------------------------------------------------
@@ -149,10 +157,16 @@ class Scheduler:
                 if request.status == RequestStatus.WAITING_FOR_FSM:
                     skipped.append(request)
                 continue
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            blocks = kv.allocate_slots(request, num_new_tokens)
+            # New or resumed (num_computed_tokens == 0): start after its longest cached prefix.
+            computed_blocks, num_cached = kv.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_cached, token_budget)
+            blocks = kv.allocate_slots(request, num_new_tokens, computed_blocks, num_cached)
             if blocks is None:
                 break
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            kv.record_prefix_cache_lookup(request.num_tokens, num_cached)
             self.waiting.popleft()
             self.running.append(request)
             if request.status == RequestStatus.PREEMPTED:
@@ -203,6 +217,20 @@ class Scheduler:
         for request in (*scheduled_running, *scheduled_new, *scheduled_resumed):
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
         return output
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block. Blocks in use cannot be forgotten: with
+        `reset_running_requests` every running request is preempted first (its blocks freed;
+        it comes back as resumed in a later step, recomputing its tokens), otherwise the reset
+        fails (False) while any request runs."""
+        if reset_running_requests:
+            while self.running:
+                self._preempt(self.running.pop())  # latest first: the queue keeps their order
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if not ok:
+            logger.warning("Prefix cache not reset: %d request(s) still hold KV blocks.",
+                           len(self.running))
+        return ok
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -273,6 +301,8 @@ class Scheduler:
                     new_token_ids = new_token_ids[: i + 1]
                     stopped.append(request)
                     break
+            if self.enable_caching and new_token_ids:
+                update_block_hashes(request, self.block_size)  # blocks that just filled up
             new_logprobs = None
             if new_token_ids and logprobs is not None \
                     and request.sampling_params.logprobs is not None:
@@ -283,6 +313,7 @@ class Scheduler:
                 finish_reason=request.get_finished_reason(),
                 stop_reason=request.stop_reason,
                 num_preemptions=request.num_preemptions,
+                num_cached_tokens=request.num_cached_tokens,
                 new_logprobs=new_logprobs,
                 new_prompt_logprobs=new_prompt_logprobs,
             ))

@@ -27,6 +27,7 @@ class EngineArgs:
     max_logprobs: int = 20
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_prefix_caching: bool = True
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -43,6 +44,7 @@ class EngineArgs:
                 kv_cache_memory_gib=self.kv_cache_memory_gib,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens

@@ -129,6 +129,10 @@ class AsyncLLM:
             self.engine_core.abort_requests(engine_ids)
         logger.info("Aborted request %s", request_id)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the engine's prefix cache (running requests are preempted and resume)."""
+        return await asyncio.wrap_future(self.engine_core.call_utility("reset_prefix_cache"))
+
     async def get_stats(self) -> SchedulerStats:
         """The engine's scheduler state, asked of the engine process now."""
         return await asyncio.wrap_future(self.engine_core.call_utility("get_stats"))

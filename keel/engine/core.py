@@ -42,6 +42,10 @@ class EngineCore:
             self.structured_output_manager.grammar_init(request)  # compiles in the background
         self.scheduler.add_request(request)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = True) -> bool:
+        """Empty the prefix cache, preempting running requests first (they resume later)."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 

@@ -128,6 +128,11 @@ class LLM:
             pbar.close()
         return [results[item.request_id] for item in processed]
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (e.g. after changing weights). Requests running meanwhile
+        are preempted and resume with the same tokens."""
+        return self.engine_core.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the engine (worker processes too); the LLM cannot be used afterwards."""
         self.engine_core.shutdown()

@@ -32,6 +32,7 @@ class RequestState:
     logprobs_processor: LogprobsProcessor
     parent_req: ParentRequest | None = None
     request_index: int = 0
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_new_request(
@@ -78,6 +79,7 @@ class RequestState:
             outputs=outputs,
             finished=finished,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def _completion(
@@ -171,6 +173,7 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted meanwhile
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            state.num_cached_tokens = max(out.num_cached_tokens, 0)
             state.logprobs_processor.update_from_output(out)
             stop_string = state.detokenizer.update(out.new_token_ids, finish_reason == "stop")
             if stop_string is not None:

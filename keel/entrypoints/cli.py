@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs a request may ask for")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV cache of shared prompt prefixes")
 
 
 def build_parser() -> argparse.ArgumentParser:

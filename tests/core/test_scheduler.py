@@ -16,11 +16,15 @@ BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64):
+def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                   caching=False):
+    """Prefix caching off by default: these prompts share their tokens (range(10, ...)), and
+    the tests count blocks as if every request computed its own (test_prefix_caching.py has
+    the cache's)."""
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len),
-        CacheConfig(block_size=BLOCK),
+        CacheConfig(block_size=BLOCK, enable_prefix_caching=caching),
         num_blocks,
     )
 

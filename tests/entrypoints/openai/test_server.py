@@ -198,5 +198,6 @@ def test_metrics_count_tokens_and_requests(server, client):
     assert delta("keel:time_to_first_token_seconds_count") == 1
     assert delta("keel:inter_token_latency_seconds_count") == 4
     assert delta("keel:e2e_request_latency_seconds_count") == 1
+    assert delta("keel:prefix_cache_queries_total") == 4
     assert server.metric("keel:kv_cache_usage_perc") == 0.0
     assert server.metric("keel:num_requests_running") == 0.0

@@ -188,12 +188,57 @@ class ParallelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """vLLM's `speculative_config` dict, e.g. {"method": "ngram", "num_speculative_tokens": 3,
+    "prompt_lookup_max": 4}. keel drafts with n-grams only."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
+        if d is None:
+            return None
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(d).__name__}.")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"Unknown speculative_config key(s) {unknown}; keel knows "
+                             f"{sorted(known)}.")
+        return cls(**d)
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise NotImplementedError(
+                f"speculative_config method {self.method!r} is not implemented in keel; "
+                "use \"ngram\".")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got {k!r}.")
+        # vLLM's defaults: 5 and 5, or the one given for both.
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"prompt_lookup_min ({lo}) and prompt_lookup_max ({hi}) must be "
+                             "integers with 1 <= prompt_lookup_min <= prompt_lookup_max.")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     threads: int | None = None  # torch intra-op threads; None: all cores of this process
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         pc = self.parallel_config
@@ -207,6 +252,10 @@ class EngineConfig:
                 f"tensor_parallel_size={pc.tensor_parallel_size} must divide the model's "
                 f"{heads} attention heads: pick a divisor of {heads}."
             )
+        if self.speculative_config is not None and pc.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                "speculative decoding with pipeline_parallel_size > 1 is not implemented in "
+                "keel yet: drop one of them.")
         layers = getattr(self.model_config.hf_config, "num_hidden_layers", 1)
         if pc.pipeline_parallel_size > layers:
             raise ValueError(

@@ -69,6 +69,8 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None
     # req_id -> this pass's chunk of prompt logprobs, for requests that asked for them.
     prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Speculative decoding: the drafts proposed for the next step, in req_ids order.
+    spec_token_ids: list[list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -102,6 +104,12 @@ class SchedulerStats:
     num_preemptions_total: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
     prefix_cache_hits: int = 0  # of which were found cached
+    # Speculative decoding, cumulative: verification passes with drafts, drafts, accepted
+    # drafts, and accepted drafts at each position (index 0 = the first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -52,6 +52,8 @@ class Request:
     # prompt tokens the first scheduling found cached (-1 before it).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1
+    # Speculative decoding: drafts proposed after the last step, scheduled in the next.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def use_structured_output(self) -> bool:

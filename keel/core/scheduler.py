@@ -14,7 +14,7 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
-from keel.config import CacheConfig, SchedulerConfig
+from keel.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from keel.core.kv_cache_manager import KVCacheManager
 from keel.core.kv_cache_utils import update_block_hashes
 from keel.core.sched_output import (
@@ -37,6 +37,7 @@ class Scheduler:
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
         structured_output_manager: StructuredOutputManager | None = None,
         pipeline_parallel: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -55,6 +56,11 @@ class Scheduler:
         # With pipeline stages, only the last one samples: the others learn each pass's
         # tokens through scheduled_cached_reqs.new_token_ids.
         self.pipeline_parallel = pipeline_parallel
+        # Speculative decoding: drafts proposed, accepted, and accepted at each position.
+        self.num_spec_tokens = speculative_config.num_speculative_tokens \
+            if speculative_config is not None else 0
+        self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+        self.spec_accepted_per_pos = [0] * self.num_spec_tokens
         self.structured_req_ids: set[str] = set()  # unfinished requests with a grammar
         # Outputs for requests finished outside a step (a grammar that failed to compile),
         # sent with the next update_from_output.
@@ -106,6 +112,10 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
+            spec_num_drafts=self.spec_stats["drafts"],
+            spec_num_draft_tokens=self.spec_stats["draft_tokens"],
+            spec_num_accepted_tokens=self.spec_stats["accepted"],
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )
 
     # ---- one step ---------------------------------------------------------------------------
@@ -118,13 +128,22 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         preempted = False
 
         # 1. Running requests first, in arrival order.
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            spec = request.spec_token_ids
+            if spec:
+                # Never past max_model_len (the token rows end there) or max_tokens.
+                room = min(self.max_model_len - request.num_tokens,
+                           request.max_tokens - len(request.output_token_ids) - 1)
+                spec = spec[: max(room, 0)]
+                num_new_tokens += len(spec)
+            num_new_tokens = min(num_new_tokens, token_budget)
             while True:
                 blocks = kv.allocate_slots(request, num_new_tokens)
                 if blocks is not None:
@@ -139,6 +158,10 @@ class Scheduler:
             if blocks is None:
                 break
             scheduled_running.append(request)
+            num_drafts = num_new_tokens - (request.num_tokens - request.num_computed_tokens)
+            if num_drafts > 0:
+                scheduled_spec_decode_tokens[request.request_id] = spec[:num_drafts]
+            request.spec_token_ids = []
             new_blocks[request.request_id] = blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -210,6 +233,7 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
@@ -236,9 +260,17 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _record_spec(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_stats["drafts"] += 1
+        self.spec_stats["draft_tokens"] += num_drafts
+        self.spec_stats["accepted"] += num_accepted
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
 
     def _grammar_ready(self, request: Request) -> bool:
         """True once the request's grammar compiled (it becomes WAITING); a grammar that
@@ -292,6 +324,13 @@ class Scheduler:
             new_prompt_logprobs = prompt_logprobs.get(req_id)
             if not new_token_ids and new_prompt_logprobs is None:
                 continue  # still prefilling (row discarded), nothing to report
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                # schedule() counted every draft as computed: take back the rejected ones
+                # (their KV slots are overwritten next step).
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self._record_spec(len(drafts), num_accepted)
             grammar = request.structured_output_request
             for i, token in enumerate(new_token_ids):
                 request.output_token_ids.append(token)
@@ -303,6 +342,9 @@ class Scheduler:
                     break
             if self.enable_caching and new_token_ids:
                 update_block_hashes(request, self.block_size)  # blocks that just filled up
+            spec_token_ids = model_runner_output.spec_token_ids
+            if spec_token_ids and not request.is_finished() and _can_speculate(request):
+                request.spec_token_ids = spec_token_ids[row]
             new_logprobs = None
             if new_token_ids and logprobs is not None \
                     and request.sampling_params.logprobs is not None:
@@ -372,3 +414,13 @@ def _token_slice(request: Request, num_tokens: int) -> list[int]:
     if start >= len(prompt):
         return output[start - len(prompt) : end - len(prompt)]
     return prompt[start:end] + output[: max(0, end - len(prompt))]
+
+
+def _can_speculate(request: Request) -> bool:
+    """Drafts are verified with temperature, min-p, top-k and top-p; a request that needs any
+    other processing of its logits (or logprobs, or a grammar) decodes one token at a time."""
+    sp = request.sampling_params
+    return (sp.structured_outputs is None and sp.logprobs is None
+            and sp.prompt_logprobs is None and not sp.logit_bias and not sp.allowed_token_ids
+            and not sp.bad_words and sp.min_tokens == 0 and sp.presence_penalty == 0
+            and sp.frequency_penalty == 0 and sp.repetition_penalty == 1.0)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from keel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from keel.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 
 @dataclass
@@ -28,6 +35,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 3}
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -55,4 +63,5 @@ class EngineArgs:
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
             threads=self.threads,
+            speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
         )

@@ -32,6 +32,7 @@ class EngineCore:
             config.scheduler_config, config.cache_config, num_blocks,
             self.structured_output_manager,
             pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1,
+            speculative_config=config.speculative_config,
         )
         # Aborts that arrive from another thread while a step runs (a server's input thread).
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()

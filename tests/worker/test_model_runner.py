@@ -362,13 +362,41 @@ def test_attention_outside_a_forward_context_is_an_error(make_runner):
         runner.model(torch.tensor([5, 6]), torch.tensor([0, 1]))
 
 
-def test_not_yet_features_fail_clearly(make_runner):
-    runner = make_runner()
-    so = sched([new_req("a", prompt(5, 12), [1])], nst={"a": 5})
-    so.scheduled_spec_decode_tokens = {"a": [7]}
-    with pytest.raises(NotImplementedError, match="speculative decoding"):
-        runner.execute_model(so)
+def spec_step(runner, computed, nst, drafts=None):
+    so = sched(cached_reqs=cached(("a", computed, None)), nst={"a": nst})
+    if drafts:
+        so.scheduled_spec_decode_tokens = {"a": drafts}
+    return step(runner, so)
 
+
+def test_drafts_accepted_and_rejected_then_the_next_step_rewrites_their_slots(make_runner):
+    """Request "a" (5 prompt tokens, blocks 1 2 3 of 4 slots): a plain runner gives greedy tokens t1..t5. With
+    drafts: [t2 + 1, t3] is rejected at once (output [t2]); the scheduler takes back 2 computed
+    tokens, so the next pass recomputes position 6, the slot the rejected draft wrote; then
+    [t4, t5] is accepted whole, with the bonus t6."""
+    plain = make_runner()
+    ids = prompt(5, 21)
+    blocks = [1, 2, 3]
+    t = [None, step(plain, sched([new_req("a", ids, blocks)], nst={"a": 5})
+                    ).sampled_token_ids[0][0]]
+    for computed in range(5, 10):
+        t.append(spec_step(plain, computed, 1).sampled_token_ids[0][0])
+
+    runner = make_runner()
+    assert step(runner, sched([new_req("a", ids, blocks)], nst={"a": 5})
+                ).sampled_token_ids == [[t[1]]]
+    out = spec_step(runner, 5, 3, drafts=[(t[2] + 1) % VOCAB, t[3]])
+    assert out.sampled_token_ids == [[t[2]]]
+    # Scheduler: 5 + 3 computed - 2 rejected = 6. Position 6 is recomputed with the real t2.
+    out = spec_step(runner, 6, 1)
+    assert runner.positions.cpu[0].item() == 6 and runner.input_ids.cpu[0].item() == t[2]
+    slot = runner.input_batch.block_table.slot_mapping.cpu[0].item()
+    assert slot == blocks[6 // runner.block_size] * runner.block_size + 6 % runner.block_size
+    assert out.sampled_token_ids == [[t[3]]]
+    out = spec_step(runner, 7, 3, drafts=[t[4], t[5]])
+    assert out.sampled_token_ids == [[t[4], t[5], t[6]]]
+    assert token_row(runner, "a")[:10] == ids + t[1:6]
+    assert runner.requests["a"].output_token_ids == t[1:7]
 
 
 def test_grammar_bitmask_rows_follow_req_ids_not_rows(make_runner):

@@ -56,6 +56,16 @@ class PrometheusStatLogger:
         self.request_success = Counter(
             "keel:request_success", "Finished requests, by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry)
+        self.spec_num_drafts = counter("keel:spec_decode_num_drafts",
+                                       "Verification passes of requests with drafts.")
+        self.spec_num_draft_tokens = counter("keel:spec_decode_num_draft_tokens",
+                                             "Draft tokens proposed.")
+        self.spec_num_accepted_tokens = counter("keel:spec_decode_num_accepted_tokens",
+                                                "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter(
+            "keel:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.", ["model_name", "position"],
+            registry=self.registry)
         self.ttft = histogram("keel:time_to_first_token_seconds",
                               "Time to first token, seconds.", _LATENCY_BUCKETS)
         self.itl = histogram("keel:inter_token_latency_seconds",
@@ -69,7 +79,10 @@ class PrometheusStatLogger:
             "keel:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
         self.model_name = model_name
         self._requests: dict[str, _RequestTimes] = {}
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}  # engine totals counted
+        # Engine totals already counted (the engine sends totals; counters take deltas).
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0,
+                      "draft_tokens": 0, "accepted": 0}
+        self._seen_per_pos: list[int] = []
 
     def record_request_added(self, request_id: str, num_prompt_tokens: int, now: float) -> None:
         self._requests[request_id] = _RequestTimes(now, num_prompt_tokens)
@@ -106,10 +119,21 @@ class PrometheusStatLogger:
             for key, counter, total in (
                     ("preemptions", self.num_preemptions, stats.num_preemptions_total),
                     ("queries", self.prefix_cache_queries, stats.prefix_cache_queries),
-                    ("hits", self.prefix_cache_hits, stats.prefix_cache_hits)):
+                    ("hits", self.prefix_cache_hits, stats.prefix_cache_hits),
+                    ("drafts", self.spec_num_drafts, stats.spec_num_drafts),
+                    ("draft_tokens", self.spec_num_draft_tokens, stats.spec_num_draft_tokens),
+                    ("accepted", self.spec_num_accepted_tokens,
+                     stats.spec_num_accepted_tokens)):
                 if total > self._seen[key]:  # the engine sends totals; counters take deltas
                     counter.inc(total - self._seen[key])
                     self._seen[key] = total
+            for pos, total in enumerate(stats.spec_accepted_per_pos):
+                if pos >= len(self._seen_per_pos):
+                    self._seen_per_pos.append(0)
+                if total > self._seen_per_pos[pos]:
+                    self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(
+                        total - self._seen_per_pos[pos])
+                    self._seen_per_pos[pos] = total
 
     def record_aborted(self, request_ids: list[str], now: float | None = None) -> None:
         import time

@@ -166,6 +166,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048  # copied from ModelConfig by EngineConfig
+    # Plan step N+1 while step N runs (two steps in flight; see EngineCore.step_with_batch_queue)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -252,6 +254,11 @@ class EngineConfig:
                 f"tensor_parallel_size={pc.tensor_parallel_size} must divide the model's "
                 f"{heads} attention heads: pick a divisor of {heads}."
             )
+        if self.scheduler_config.async_scheduling and (
+                self.speculative_config is not None or pc.pipeline_parallel_size > 1):
+            raise NotImplementedError(
+                "async_scheduling together with speculative decoding or pipeline parallelism "
+                "is not implemented in keel yet: drop one of them.")
         if self.speculative_config is not None and pc.pipeline_parallel_size > 1:
             raise NotImplementedError(
                 "speculative decoding with pipeline_parallel_size > 1 is not implemented in "

@@ -54,6 +54,8 @@ class Request:
     num_cached_tokens: int = -1
     # Speculative decoding: drafts proposed after the last step, scheduled in the next.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling: tokens sampled by steps still in flight (scheduled, not yet known).
+    num_output_placeholders: int = 0
 
     @property
     def use_structured_output(self) -> bool:

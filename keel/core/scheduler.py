@@ -42,6 +42,7 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
+        self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
@@ -135,7 +136,11 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if self.async_scheduling and not self._can_schedule_ahead(request):
+                req_index += 1
+                continue
+            num_new_tokens = (request.num_tokens + request.num_output_placeholders
+                              - request.num_computed_tokens)
             spec = request.spec_token_ids
             if spec:
                 # Never past max_model_len (the token rows end there) or max_tokens.
@@ -182,7 +187,8 @@ class Scheduler:
                 continue
             # New or resumed (num_computed_tokens == 0): start after its longest cached prefix.
             computed_blocks, num_cached = kv.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_cached, token_budget)
+            num_new_tokens = min(request.num_tokens + request.num_output_placeholders
+                                 - num_cached, token_budget)
             blocks = kv.allocate_slots(request, num_new_tokens, computed_blocks, num_cached)
             if blocks is None:
                 break
@@ -240,7 +246,21 @@ class Scheduler:
         # The runner got the pre-step counts above; from here on they include this step.
         for request in (*scheduled_running, *scheduled_new, *scheduled_resumed):
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+            if self.async_scheduling and request.num_computed_tokens >= (
+                    request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1  # this step samples a token for it
         return output
+
+    def _can_schedule_ahead(self, request: Request) -> bool:
+        """Async scheduling: may this running request get another step before the tokens of
+        its steps in flight are known? Not past max_tokens or max_model_len, and not with a
+        grammar (its bitmask needs the previous token)."""
+        pending = request.num_output_placeholders
+        if pending == 0:
+            return True
+        return (not request.use_structured_output
+                and len(request.output_token_ids) + pending < request.max_tokens
+                and request.num_tokens + pending < self.max_model_len)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached block. Blocks in use cannot be forgotten: with
@@ -324,6 +344,8 @@ class Scheduler:
             new_prompt_logprobs = prompt_logprobs.get(req_id)
             if not new_token_ids and new_prompt_logprobs is None:
                 continue  # still prefilling (row discarded), nothing to report
+            if self.async_scheduling and new_token_ids:
+                request.num_output_placeholders -= 1  # the token in flight is known now
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts:
                 # schedule() counted every draft as computed: take back the rejected ones
@@ -362,6 +384,8 @@ class Scheduler:
         if stopped:
             stopped_ids = {r.request_id for r in stopped}
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
+            if self.async_scheduling:  # preempted while its last step was in flight
+                self.waiting = deque(r for r in self.waiting if r.request_id not in stopped_ids)
             for request in stopped:
                 self._free_request(request)
         finished_ids = {r.request_id for r in stopped}

@@ -35,6 +35,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    async_scheduling: bool = False
     speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 3}
 
     @classmethod
@@ -55,7 +56,8 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

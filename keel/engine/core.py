@@ -7,6 +7,7 @@ import enum
 import logging
 import queue
 import time
+from collections import deque
 from typing import Any
 
 from keel.config import EngineConfig
@@ -34,6 +35,10 @@ class EngineCore:
             pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1,
             speculative_config=config.speculative_config,
         )
+        # Async scheduling: up to max_concurrent_batches steps in flight, oldest last.
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue: deque | None = deque() if self.batch_queue_size > 1 else None
+        self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
         # Aborts that arrive from another thread while a step runs (a server's input thread).
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.first_token_time: float | None = None  # time.monotonic() of the first sample
@@ -77,6 +82,38 @@ class EngineCore:
         if self.first_token_time is None and any(model_output.sampled_token_ids):
             self.first_token_time = time.monotonic()
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """Async scheduling: schedule and launch a step (execute_model and sample_tokens, both
+        non-blocking) while the previous one may still run; return the outputs of the oldest
+        step in flight once the queue is full or nothing more can be scheduled. The scheduler
+        plans with placeholders for the tokens still in flight; the runner has them by the
+        time the next pass runs (the worker takes calls in order)."""
+        batch_queue = self.batch_queue
+        scheduled = False
+        if self.scheduler.has_requests() and len(batch_queue) < self.batch_queue_size:
+            scheduler_output = self.scheduler.schedule(self._should_throttle_prefills())
+            if scheduler_output.total_num_scheduled_tokens > 0 or not batch_queue:
+                exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
+                grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+                sample_future = self.model_executor.sample_tokens(grammar_output,
+                                                                  non_block=True)
+                batch_queue.appendleft((exec_future, sample_future, scheduler_output))
+                scheduled = True
+                if len(batch_queue) < self.batch_queue_size:
+                    return {}, True  # plan the next step before waiting for this one
+        if not batch_queue:
+            return {}, False
+        exec_future, sample_future, scheduler_output = batch_queue.pop()
+        model_output = exec_future.result()
+        sampled = sample_future.result()
+        if model_output is None:
+            model_output = sampled
+        self._process_aborts_queue()
+        engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.first_token_time is None and any(model_output.sampled_token_ids):
+            self.first_token_time = time.monotonic()
+        return engine_core_outputs, scheduled
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
@@ -159,7 +196,7 @@ class EngineCoreProc(EngineCore):
                 timeout = 0
             if self._process_input(timeout):
                 return  # shut down
-            outputs, model_executed = self.step()
+            outputs, model_executed = self.step_fn()
             batch = outputs.get(0)
             if batch is not None or self._stats_dirty:
                 batch = batch or EngineCoreOutputs()

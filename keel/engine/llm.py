@@ -108,7 +108,7 @@ class LLM:
                         f"{len(unfinished)} request(s) left the engine without finishing "
                         "(aborted from elsewhere?)"
                     )
-                outputs, _ = core.step()
+                outputs, _ = core.step_fn()
                 batch = outputs.get(0)
                 if batch is None or not batch.outputs:
                     continue

@@ -43,6 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs a request may ask for")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="plan the next step while the current one runs")
     p.add_argument("--speculative-config", type=_json_dict, default=None, metavar="JSON",
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -76,6 +76,12 @@ class Executor(ABC):
         single_value: bool = False,
     ) -> Any: ...
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine may keep in flight: 2 with async scheduling (the next step is
+        planned while this one runs), else 1."""
+        return 2 if self.config.scheduler_config.async_scheduling else 1
+
     def initialize_kv_cache(self) -> int:
         """Size the KV cache (the smallest any worker can hold), allocate it everywhere."""
         num_blocks = min(self.collective_rpc("determine_num_blocks"))

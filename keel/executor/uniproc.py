@@ -28,6 +28,14 @@ class UniProcExecutor(Executor):
                 "default above world size 1)."
             )
         self.driver_worker = Worker(self.config, local_rank=0, rank=0, is_driver_worker=True)
+        # With async scheduling, non-blocking calls run on one worker thread, in call order,
+        # so the engine thread can schedule the next step meanwhile (torch releases the GIL
+        # inside its ops). Without it, a non-blocking call is done before its future exists.
+        self._thread = None
+        if self.max_concurrent_batches > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keel-worker")
         self.collective_rpc("init_device")
         self.collective_rpc("load_model")
 
@@ -43,6 +51,13 @@ class UniProcExecutor(Executor):
         if kwargs is None:
             kwargs = {}
 
+        if self._thread is not None:
+            def call():
+                result = run_method(self.driver_worker, method, args, kwargs)
+                return result if single_value else [result]
+
+            future = self._thread.submit(call)
+            return future if non_block else future.result()
         if not non_block:
             result = run_method(self.driver_worker, method, args, kwargs)
             return result if single_value else [result]
@@ -59,6 +74,8 @@ class UniProcExecutor(Executor):
         return future
 
     def shutdown(self) -> None:
+        if getattr(self, "_thread", None) is not None:
+            self._thread.shutdown(wait=True)
         if getattr(self, "driver_worker", None) is not None:
             self.driver_worker.shutdown()
 

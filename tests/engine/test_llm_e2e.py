@@ -7,12 +7,10 @@ from __future__ import annotations
 import pytest
 
 from keel import LLM, SamplingParams
-from tests.hf_models import ARCHS, hf_reference
-from tests.model_executor.test_models import hf_greedy, random_prompt
+from tests.engine.conftest import MAX_TOKENS
+from tests.hf_models import ARCHS
+from tests.model_executor.test_models import random_prompt
 
-MAX_TOKENS = 32
-PROMPT_LENS = [3, 7, 12, 18, 25, 31, 40, 52, 66, 5, 9, 14, 21, 29, 35, 47, 58, 70, 4, 11, 16,
-               23, 44, 61]  # 24 prompts, several longer than the chunk budget below
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 # Engine settings that change how the work is split, but must not change a single token.
@@ -22,22 +20,6 @@ SETTINGS = {
     "queueing": dict(max_num_seqs=5),
     "preemption": dict(max_model_len=128, num_gpu_blocks_override=24),
 }
-
-
-@pytest.fixture(scope="module")
-def reference(hf_model_dir):
-    """arch -> (folder, prompts, transformers' greedy continuations)."""
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            folder = hf_model_dir(arch)
-            hf = hf_reference(folder)
-            prompts = [random_prompt(n, seed=100 + i) for i, n in enumerate(PROMPT_LENS)]
-            cache[arch] = (folder, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts])
-        return cache[arch]
-
-    return get
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

@@ -38,7 +38,6 @@ class EngineCore:
         # Async scheduling: up to max_concurrent_batches steps in flight, oldest last.
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: deque | None = deque() if self.batch_queue_size > 1 else None
-        self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
         # Aborts that arrive from another thread while a step runs (a server's input thread).
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.first_token_time: float | None = None  # time.monotonic() of the first sample
@@ -82,6 +81,11 @@ class EngineCore:
         if self.first_token_time is None and any(model_output.sampled_token_ids):
             self.first_token_time = time.monotonic()
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def step_fn(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """What the loops call: `step` (the seed's body), or with async scheduling
+        `step_with_batch_queue`. Chosen by configuration, not per step."""
+        return self.step() if self.batch_queue is None else self.step_with_batch_queue()
 
     def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """Async scheduling: schedule and launch a step (execute_model and sample_tokens, both

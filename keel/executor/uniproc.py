@@ -51,7 +51,7 @@ class UniProcExecutor(Executor):
         if kwargs is None:
             kwargs = {}
 
-        if self._thread is not None:
+        if getattr(self, "_thread", None) is not None:
             def call():
                 result = run_method(self.driver_worker, method, args, kwargs)
                 return result if single_value else [result]

@@ -21,7 +21,7 @@ def test_greedy_equals_transformers_with_async_scheduling(reference, arch, setti
     folder, prompts, expected = reference(arch)
     llm = LLM(folder, dtype="float32", async_scheduling=True, **SETTINGS[setting])
     core = llm.engine_core
-    assert core.step_fn == core.step_with_batch_queue
+    assert core.batch_queue is not None and core.model_executor.max_concurrent_batches == 2
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     if setting == "preemption":

@@ -17,20 +17,22 @@ from keel.engine.async_llm import AsyncLLM
 from keel.engine.core_client import EngineDeadError
 from keel.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    CompletionRequest,
+    UsageInfo,
+    random_uuid,
+)
+from keel.entrypoints.openai.responses import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
-    CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
     DeltaMessage,
-    UsageInfo,
     chat_logprobs,
     completion_logprobs,
-    random_uuid,
 )
 from keel.outputs import CompletionOutput, RequestOutput
 

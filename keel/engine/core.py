@@ -194,10 +194,9 @@ class EngineCoreProc(EngineCore):
 
     def run_busy_loop(self) -> None:
         while True:
-            if not self.scheduler.has_requests():
-                timeout = _IDLE_POLL_MS
-            else:
-                timeout = 0
+            # Idle only when nothing is scheduled and no step is in flight.
+            busy = self.scheduler.has_requests() or bool(self.batch_queue)
+            timeout = 0 if busy else _IDLE_POLL_MS
             if self._process_input(timeout):
                 return  # shut down
             outputs, model_executed = self.step_fn()

@@ -126,3 +126,27 @@ def test_killed_engine_fails_requests_and_health(hf_model_dir):
         assert later.status_code == 503
     finally:
         stop_server(server)
+
+
+def test_async_scheduling_and_drafts_serve_the_same_tokens(server, hf_model_dir):
+    """`keel serve --async-scheduling` and `--speculative-config` give the greedy tokens of the
+    plain server, streamed or not, and go idle with the cache free."""
+    body = {"model": MODEL_NAME, "prompt": [9, 8, 7, 9, 8, 7, 9, 8], "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True}
+    expected = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers,
+                          timeout=60).json()["choices"][0]["text"]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    for extra in (["--async-scheduling"], ["--speculative-config", spec]):
+        other = start_server(hf_model_dir("llama"), *extra, api_key=None)
+        try:
+            got = httpx.post(f"{other.url}/v1/completions", json=body, timeout=60).json()
+            assert got["choices"][0]["text"] == expected, extra
+
+            async def stream(url):
+                async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                    return await _stream_text(client, {**body, "stream": True})
+
+            assert asyncio.run(stream(other.url)) == expected, extra
+            _wait_for(lambda srv=other: srv.metric("keel:kv_cache_usage_perc") == 0.0)
+        finally:
+            stop_server(other)

@@ -69,6 +69,14 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building prompt + output."""
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        n = len(prompt)
+        if start >= n:
+            return output[start - n : end - n]
+        return prompt[start:end] + output[: max(0, end - n)]
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

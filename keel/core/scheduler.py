@@ -25,6 +25,7 @@ from keel.core.sched_output import (
 )
 from keel.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from keel.request import Request, RequestStatus
+from keel.spec_decode.stats import SpecDecodingStats, can_speculate
 
 if TYPE_CHECKING:
     from keel.structured_output import StructuredOutputManager
@@ -57,11 +58,8 @@ class Scheduler:
         # With pipeline stages, only the last one samples: the others learn each pass's
         # tokens through scheduled_cached_reqs.new_token_ids.
         self.pipeline_parallel = pipeline_parallel
-        # Speculative decoding: drafts proposed, accepted, and accepted at each position.
-        self.num_spec_tokens = speculative_config.num_speculative_tokens \
-            if speculative_config is not None else 0
-        self.spec_stats = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
-        self.spec_accepted_per_pos = [0] * self.num_spec_tokens
+        self.spec_stats = SpecDecodingStats(
+            speculative_config.num_speculative_tokens if speculative_config else 0)
         self.structured_req_ids: set[str] = set()  # unfinished requests with a grammar
         # Outputs for requests finished outside a step (a grammar that failed to compile),
         # sent with the next update_from_output.
@@ -113,10 +111,10 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
-            spec_num_drafts=self.spec_stats["drafts"],
-            spec_num_draft_tokens=self.spec_stats["draft_tokens"],
-            spec_num_accepted_tokens=self.spec_stats["accepted"],
-            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
         )
 
     # ---- one step ---------------------------------------------------------------------------
@@ -219,8 +217,9 @@ class Scheduler:
             else:
                 cached.new_block_ids.append((new_blocks[rid],) if new_blocks[rid] else None)
             if self.pipeline_parallel:
+                start = request.num_computed_tokens
                 cached.new_token_ids.append(
-                    _token_slice(request, num_scheduled_tokens[rid]))
+                    request.token_slice(start, start + num_scheduled_tokens[rid]))
             else:
                 cached.new_token_ids.append([])  # the runner sampled them itself
             cached.num_computed_tokens.append(request.num_computed_tokens)
@@ -285,13 +284,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _record_spec(self, num_drafts: int, num_accepted: int) -> None:
-        self.spec_stats["drafts"] += 1
-        self.spec_stats["draft_tokens"] += num_drafts
-        self.spec_stats["accepted"] += num_accepted
-        for pos in range(num_accepted):
-            self.spec_accepted_per_pos[pos] += 1
-
     def _grammar_ready(self, request: Request) -> bool:
         """True once the request's grammar compiled (it becomes WAITING); a grammar that
         failed finishes the request with an error, reported with the next step's outputs."""
@@ -352,7 +344,7 @@ class Scheduler:
                 # (their KV slots are overwritten next step).
                 num_accepted = len(new_token_ids) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted
-                self._record_spec(len(drafts), num_accepted)
+                self.spec_stats.observe(len(drafts), num_accepted)
             grammar = request.structured_output_request
             for i, token in enumerate(new_token_ids):
                 request.output_token_ids.append(token)
@@ -365,7 +357,8 @@ class Scheduler:
             if self.enable_caching and new_token_ids:
                 update_block_hashes(request, self.block_size)  # blocks that just filled up
             spec_token_ids = model_runner_output.spec_token_ids
-            if spec_token_ids and not request.is_finished() and _can_speculate(request):
+            if spec_token_ids and not request.is_finished() \
+                    and can_speculate(request.sampling_params):
                 request.spec_token_ids = spec_token_ids[row]
             new_logprobs = None
             if new_token_ids and logprobs is not None \
@@ -383,8 +376,10 @@ class Scheduler:
             ))
         if stopped:
             stopped_ids = {r.request_id for r in stopped}
+            num_running = len(self.running)
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
-            if self.async_scheduling:  # preempted while its last step was in flight
+            if num_running - len(self.running) < len(stopped):
+                # Async scheduling: some were preempted while their last step was in flight.
                 self.waiting = deque(r for r in self.waiting if r.request_id not in stopped_ids)
             for request in stopped:
                 self._free_request(request)
@@ -428,23 +423,3 @@ class Scheduler:
         else:
             return False
         return True
-
-
-def _token_slice(request: Request, num_tokens: int) -> list[int]:
-    """The token ids this pass computes for `request` (without building prompt + output)."""
-    start, prompt, output = request.num_computed_tokens, request.prompt_token_ids, \
-        request.output_token_ids
-    end = start + num_tokens
-    if start >= len(prompt):
-        return output[start - len(prompt) : end - len(prompt)]
-    return prompt[start:end] + output[: max(0, end - len(prompt))]
-
-
-def _can_speculate(request: Request) -> bool:
-    """Drafts are verified with temperature, min-p, top-k and top-p; a request that needs any
-    other processing of its logits (or logprobs, or a grammar) decodes one token at a time."""
-    sp = request.sampling_params
-    return (sp.structured_outputs is None and sp.logprobs is None
-            and sp.prompt_logprobs is None and not sp.logit_bias and not sp.allowed_token_ids
-            and not sp.bad_words and sp.min_tokens == 0 and sp.presence_penalty == 0
-            and sp.frequency_penalty == 0 and sp.repetition_penalty == 1.0)

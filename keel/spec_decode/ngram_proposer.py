@@ -21,6 +21,14 @@ class NgramProposer:
         self.k = num_speculative_tokens
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
+    def propose_for_batch(self, batch, rows: np.ndarray) -> list[list[int]]:
+        """Drafts for the given rows of the persistent batch; [] for every other row."""
+        out: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+        drafts = self.propose(batch.token_ids_cpu_tensor, batch.num_tokens, rows)
+        for row, draft in zip(rows.tolist(), drafts):
+            out[row] = draft
+        return out
+
     def propose(self, token_ids: torch.Tensor, num_tokens: np.ndarray, rows: np.ndarray
                 ) -> list[list[int]]:
         """token_ids: [num_rows, max_len] (each row's ids, valid up to num_tokens[row]);

@@ -30,6 +30,7 @@ from keel.sample.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from keel.sample.sampler import Sampler
 from keel.spec_decode.ngram_proposer import NgramProposer
 from keel.worker.buffers import CpuGpuBuffer
+from keel.worker.grammar_bitmask import BatchGrammarBitmask
 from keel.worker.input_batch import CachedRequestState, InputBatch
 from keel.worker.prompt_logprobs import get_prompt_logprobs_dict
 from keel.worker.spec_decode import (
@@ -75,7 +76,7 @@ class ModelRunner:
         spec = config.speculative_config
         self.drafter = None if spec is None else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self._num_draft = np.zeros(0, dtype=np.int64)  # drafts per row, this pass
+        self.num_draft_np = np.zeros(self.max_num_reqs, dtype=np.int64)  # drafts per row
 
         # Buffers sized once for the largest pass; each pass overwrites a prefix.
         n_tok, n_req = self.max_num_tokens, self.max_num_reqs
@@ -89,7 +90,7 @@ class ModelRunner:
         self.discard_request_mask = CpuGpuBuffer(n_req, dtype=torch.bool, device=device)
         self.num_scheduled_tokens_np = np.zeros(n_req, dtype=np.int32)
         self._prep_event = torch.cuda.Event() if device.type == "cuda" else None
-        self._grammar_bitmask: torch.Tensor | None = None  # [max_num_reqs, ceil(vocab / 32)]
+        self._grammar_bitmask = BatchGrammarBitmask(self.max_num_reqs, device)
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -101,23 +102,6 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             self.model, num_blocks, self.block_size, mc.torch_dtype, self.device
         )
-
-    @torch.inference_mode()
-    def profile_run(self) -> int:
-        """CUDA: run the largest pass (max_num_batched_tokens prompt tokens) once with a
-        throwaway KV cache; return the peak activation memory it needed, in bytes."""
-        from keel.model_executor.direct import DirectRunner
-
-        per_req = min(self.max_num_tokens, self.max_model_len - 1)
-        num_reqs = -(-self.max_num_tokens // per_req)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        runner = DirectRunner(self.model, num_reqs, per_req, self.block_size)
-        runner.step(list(range(num_reqs)), [[0] * per_req] * num_reqs, [0] * num_reqs)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del runner
-        torch.cuda.empty_cache()
-        return peak
 
     # ---- step 2: the diff -------------------------------------------------------------------
 
@@ -203,8 +187,8 @@ class ModelRunner:
         self.input_batch.condense()
         self._may_reorder_batch(scheduler_output)
         if scheduler_output.scheduled_spec_decode_tokens:  # rows are final now
-            self._num_draft = write_draft_tokens(self.input_batch,
-                                                 scheduler_output.scheduled_spec_decode_tokens)
+            write_draft_tokens(self.input_batch, scheduler_output.scheduled_spec_decode_tokens,
+                               self.num_draft_np)
         self.input_batch.refresh_metadata()
         # The seed returns deferred state corrections (async speculative decoding); keel has
         # none, so the caller gets None.
@@ -284,7 +268,7 @@ class ModelRunner:
 
         if scheduler_output.scheduled_spec_decode_tokens:
             # Every draft position and the bonus position (keel/worker/spec_decode.py).
-            spec = calc_spec_decode_metadata(self._num_draft, cu_num_tokens,
+            spec = calc_spec_decode_metadata(self.num_draft_np[:num_reqs], cu_num_tokens,
                                              self.input_ids.gpu[:total_num_scheduled_tokens])
             return spec.logits_indices, spec
         # [0, 2, 7, 10] -> [1, 6, 9]: the last token of each slice.
@@ -363,22 +347,10 @@ class ModelRunner:
         return None
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, grammar_output: GrammarOutput) -> None:
-        """Mask the logits of the constrained rows. The scheduler's bitmask rows follow its
-        request ids; the batch's rows may have moved since (condense, reorder), so each id is
-        looked up in req_id_to_index and its row copied into a batch-ordered buffer."""
-        import xgrammar as xgr
-
-        num_reqs = self.input_batch.num_reqs
-        bitmask = grammar_output.grammar_bitmask
-        if self._grammar_bitmask is None or self._grammar_bitmask.shape[1] != bitmask.shape[1]:
-            self._grammar_bitmask = torch.full((self.max_num_reqs, bitmask.shape[1]), -1,
-                                               dtype=torch.int32, device=self.device)
-        index_of = self.input_batch.req_id_to_index
-        rows = [index_of[req_id] for req_id in grammar_output.structured_output_request_ids]
-        batch_bitmask = self._grammar_bitmask[:num_reqs]
-        batch_bitmask[rows] = bitmask.to(self.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, batch_bitmask, indices=rows,
-                                        vocab_size=logits.shape[1])
+        """Mask the logits of the constrained rows (keel/worker/grammar_bitmask.py)."""
+        batch = self.input_batch
+        self._grammar_bitmask.apply(logits, grammar_output, batch.req_id_to_index,
+                                    batch.num_reqs)
 
     # ---- step 5: the second call ------------------------------------------------------------
 
@@ -428,11 +400,7 @@ class ModelRunner:
                 sampled_token_ids[row] = tokens[row]
         spec_token_ids = None
         if self.drafter is not None:  # drafts for the next step, from the updated rows
-            spec_token_ids = [[] for _ in range(num_reqs)]
-            drafts = self.drafter.propose(batch.token_ids_cpu_tensor, batch.num_tokens,
-                                          kept_rows)
-            for row, draft in zip(kept_rows.tolist(), drafts):
-                spec_token_ids[row] = draft
+            spec_token_ids = self.drafter.propose_for_batch(batch, kept_rows)
         prompt_logprobs_dict = {}
         if batch.num_prompt_logprobs:  # only requests that asked pay for this
             prompt_logprobs_dict = get_prompt_logprobs_dict(

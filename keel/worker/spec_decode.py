@@ -18,16 +18,16 @@ from keel.sample.rejection_sampler import SpecDecodeMetadata
 from keel.worker.input_batch import InputBatch
 
 
-def write_draft_tokens(batch: InputBatch, spec: dict[str, list[int]]) -> np.ndarray:
-    """Put each request's drafts after its tokens (num_tokens is unchanged); returns the
-    number of drafts per row. Called after condense, so rows are final for this pass."""
-    num_draft = np.zeros(batch.num_reqs, dtype=np.int64)
+def write_draft_tokens(batch: InputBatch, spec: dict[str, list[int]],
+                       num_draft: np.ndarray) -> None:
+    """Put each request's drafts after its tokens (num_tokens is unchanged) and their count
+    in num_draft[row] (a buffer made once). Called after condense: rows are final."""
+    num_draft[: batch.num_reqs] = 0
     for req_id, drafts in spec.items():
         row = batch.req_id_to_index[req_id]
         n = batch.num_tokens[row]
         batch.token_ids_cpu[row, n : n + len(drafts)] = drafts
         num_draft[row] = len(drafts)
-    return num_draft
 
 
 def calc_spec_decode_metadata(num_draft: np.ndarray, cu_num_scheduled: np.ndarray,

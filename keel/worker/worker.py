@@ -99,12 +99,30 @@ class Worker:
         cc = self.config.cache_config
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            peak = self.model_runner.profile_run()
+            peak = self._profile_run()
             used_elsewhere = total - free
             return max(0.0, total * cc.gpu_memory_utilization - used_elsewhere - peak)
         if cc.kv_cache_memory_gib is not None:
             return cc.kv_cache_memory_gib * GiB
         return min(DEFAULT_CPU_KV_SHARE * available_memory_bytes(), DEFAULT_CPU_KV_MAX_GIB * GiB)
+
+    @torch.inference_mode()
+    def _profile_run(self) -> int:
+        """CUDA: run the largest pass (max_num_batched_tokens prompt tokens) once with a
+        throwaway KV cache; return the peak activation memory it needed, in bytes."""
+        from keel.model_executor.direct import DirectRunner
+
+        runner = self.model_runner
+        per_req = min(runner.max_num_tokens, runner.max_model_len - 1)
+        num_reqs = -(-runner.max_num_tokens // per_req)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        before = torch.cuda.memory_allocated(runner.device)
+        direct = DirectRunner(runner.model, num_reqs, per_req, runner.block_size)
+        direct.step(list(range(num_reqs)), [[0] * per_req] * num_reqs, [0] * num_reqs)
+        peak = torch.cuda.max_memory_allocated(runner.device) - before
+        del direct
+        torch.cuda.empty_cache()
+        return peak
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)

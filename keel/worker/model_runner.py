@@ -190,8 +190,8 @@ class ModelRunner:
             write_draft_tokens(self.input_batch, scheduler_output.scheduled_spec_decode_tokens,
                                self.num_draft_np)
         self.input_batch.refresh_metadata()
-        # The seed returns deferred state corrections (async speculative decoding); keel has
-        # none, so the caller gets None.
+        # The seed returns deferred state corrections for async scheduling *with* drafts, which
+        # keel refuses; without drafts the runner already holds every token it needs: None.
         return None
 
     def _may_reorder_batch(self, scheduler_output: SchedulerOutput) -> None:

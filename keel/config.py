@@ -254,11 +254,10 @@ class EngineConfig:
                 f"tensor_parallel_size={pc.tensor_parallel_size} must divide the model's "
                 f"{heads} attention heads: pick a divisor of {heads}."
             )
-        if self.scheduler_config.async_scheduling and (
-                self.speculative_config is not None or pc.pipeline_parallel_size > 1):
+        if self.scheduler_config.async_scheduling and pc.pipeline_parallel_size > 1:
             raise NotImplementedError(
-                "async_scheduling together with speculative decoding or pipeline parallelism "
-                "is not implemented in keel yet: drop one of them.")
+                "async_scheduling together with pipeline parallelism is not implemented in "
+                "keel yet: drop one of them.")
         if self.speculative_config is not None and pc.pipeline_parallel_size > 1:
             raise NotImplementedError(
                 "speculative decoding with pipeline_parallel_size > 1 is not implemented in "

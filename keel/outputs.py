@@ -71,6 +71,9 @@ class ModelRunnerOutput:
     prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
     # Speculative decoding: the drafts proposed for the next step, in req_ids order.
     spec_token_ids: list[list[int]] | None = None
+    # Async scheduling with drafts: how many drafts each row really verified (the scheduler
+    # planned placeholders; the runner may have had fewer drafts). None otherwise.
+    num_draft_tokens: list[int] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -3,10 +3,13 @@
 The runner does `with set_forward_context(attn_metadata): model(input_ids, positions)`; each
 attention layer calls `get_forward_context()` to read it. The context exists only for the
 duration of that `with` block, so a stale batch's metadata can never leak into the next pass.
+It is per thread: an engine whose passes run on a worker thread (async scheduling) and another
+engine in the same process never see each other's.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,23 +21,23 @@ class ForwardContext:
     attn_metadata: Any  # PagedAttentionMetadata, or None for a run without KV cache
 
 
-_forward_context: ForwardContext | None = None
+_local = threading.local()
 
 
 def get_forward_context() -> ForwardContext:
-    if _forward_context is None:
+    context = getattr(_local, "context", None)
+    if context is None:
         raise RuntimeError(
             "No forward context: run the model inside `with set_forward_context(metadata):`."
         )
-    return _forward_context
+    return context
 
 
 @contextmanager
 def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
-    global _forward_context
-    prev = _forward_context
-    _forward_context = ForwardContext(attn_metadata)
+    prev = getattr(_local, "context", None)
+    _local.context = ForwardContext(attn_metadata)
     try:
-        yield _forward_context
+        yield _local.context
     finally:
-        _forward_context = prev
+        _local.context = prev

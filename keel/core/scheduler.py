@@ -58,8 +58,12 @@ class Scheduler:
         # With pipeline stages, only the last one samples: the others learn each pass's
         # tokens through scheduled_cached_reqs.new_token_ids.
         self.pipeline_parallel = pipeline_parallel
-        self.spec_stats = SpecDecodingStats(
-            speculative_config.num_speculative_tokens if speculative_config else 0)
+        num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.spec_stats = SpecDecodingStats(num_spec)
+        # Async scheduling with drafts: a request's next drafts are proposed by the runner
+        # after its step in flight, so the scheduler plans with placeholders (-1) for them;
+        # the runner puts in its own drafts (and may use fewer). Made once, never mutated.
+        self._spec_placeholders = [-1] * num_spec if self.async_scheduling else []
         self.structured_req_ids: set[str] = set()  # unfinished requests with a grammar
         # Outputs for requests finished outside a step (a grammar that failed to compile),
         # sent with the next update_from_output.
@@ -137,13 +141,14 @@ class Scheduler:
             if self.async_scheduling and not self._can_schedule_ahead(request):
                 req_index += 1
                 continue
-            num_new_tokens = (request.num_tokens + request.num_output_placeholders
-                              - request.num_computed_tokens)
+            pending = request.num_output_placeholders
+            num_new_tokens = request.num_tokens + pending - request.num_computed_tokens
             spec = request.spec_token_ids
             if spec:
-                # Never past max_model_len (the token rows end there) or max_tokens.
-                room = min(self.max_model_len - request.num_tokens,
-                           request.max_tokens - len(request.output_token_ids) - 1)
+                # Never past max_model_len (the token rows end there) or max_tokens, counting
+                # the tokens still in flight as if every draft was accepted.
+                room = min(self.max_model_len - request.num_tokens - pending,
+                           request.max_tokens - len(request.output_token_ids) - pending - 1)
                 spec = spec[: max(room, 0)]
                 num_new_tokens += len(spec)
             num_new_tokens = min(num_new_tokens, token_budget)
@@ -161,7 +166,8 @@ class Scheduler:
             if blocks is None:
                 break
             scheduled_running.append(request)
-            num_drafts = num_new_tokens - (request.num_tokens - request.num_computed_tokens)
+            num_drafts = num_new_tokens - (request.num_tokens + pending
+                                           - request.num_computed_tokens)
             if num_drafts > 0:
                 scheduled_spec_decode_tokens[request.request_id] = spec[:num_drafts]
             request.spec_token_ids = []
@@ -242,12 +248,17 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
-        # The runner got the pre-step counts above; from here on they include this step.
+        # The runner got the pre-step counts above; from here on they include this step (and,
+        # optimistically, every draft: update_from_output takes back the rejected ones).
         for request in (*scheduled_running, *scheduled_new, *scheduled_resumed):
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
             if self.async_scheduling and request.num_computed_tokens >= (
                     request.num_tokens + request.num_output_placeholders):
-                request.num_output_placeholders += 1  # this step samples a token for it
+                # This step samples 1 + drafts tokens for it, if every draft is accepted.
+                num_drafts = len(scheduled_spec_decode_tokens.get(request.request_id, ()))
+                request.num_output_placeholders += 1 + num_drafts
+                if self._spec_placeholders and can_speculate(request.sampling_params):
+                    request.spec_token_ids = self._spec_placeholders
         return output
 
     def _can_schedule_ahead(self, request: Request) -> bool:
@@ -336,15 +347,21 @@ class Scheduler:
             new_prompt_logprobs = prompt_logprobs.get(req_id)
             if not new_token_ids and new_prompt_logprobs is None:
                 continue  # still prefilling (row discarded), nothing to report
-            if self.async_scheduling and new_token_ids:
-                request.num_output_placeholders -= 1  # the token in flight is known now
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if self.async_scheduling and new_token_ids:
+                # The tokens in flight are known now (all 1 + drafts were counted).
+                request.num_output_placeholders -= 1 + len(drafts or ())
             if drafts:
                 # schedule() counted every draft as computed: take back the rejected ones
-                # (their KV slots are overwritten next step).
+                # (their KV slots are overwritten next step), and the placeholders the runner
+                # had no draft for. A request preempted meanwhile has nothing to take back.
                 num_accepted = len(new_token_ids) - 1
-                request.num_computed_tokens -= len(drafts) - num_accepted
-                self.spec_stats.observe(len(drafts), num_accepted)
+                if request.status == RequestStatus.RUNNING:
+                    request.num_computed_tokens -= len(drafts) - num_accepted
+                used = model_runner_output.num_draft_tokens
+                num_verified = len(drafts) if used is None else used[row]
+                if num_verified:
+                    self.spec_stats.observe(num_verified, num_accepted)
             grammar = request.structured_output_request
             for i, token in enumerate(new_token_ids):
                 request.output_token_ids.append(token)
@@ -357,7 +374,7 @@ class Scheduler:
             if self.enable_caching and new_token_ids:
                 update_block_hashes(request, self.block_size)  # blocks that just filled up
             spec_token_ids = model_runner_output.spec_token_ids
-            if spec_token_ids and not request.is_finished() \
+            if spec_token_ids and not self._spec_placeholders and not request.is_finished() \
                     and can_speculate(request.sampling_params):
                 request.spec_token_ids = spec_token_ids[row]
             new_logprobs = None

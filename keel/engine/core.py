@@ -106,6 +106,10 @@ class EngineCore:
                 scheduled = True
                 if len(batch_queue) < self.batch_queue_size:
                     return {}, True  # plan the next step before waiting for this one
+            else:
+                # Nothing to run yet (the step in flight holds every request): the finished
+                # ids this output carried go with the next one, or the runner never sees them.
+                self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
         if not batch_queue:
             return {}, False
         exec_future, sample_future, scheduler_output = batch_queue.pop()

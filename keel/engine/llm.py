@@ -120,6 +120,8 @@ class LLM:
                         results[out.request_id] = out
                         unfinished.discard(out.request_id)
                         pbar.update(1)
+            while core.batch_queue:  # async scheduling: a step planned ahead may still run
+                core.step_fn()
         except BaseException:
             # Leave the engine serving: drop what this call added, keep everything else.
             core.abort_requests(out_proc.abort_requests(list(unfinished)))

@@ -36,6 +36,9 @@ class CachedRequestState:
     # Prompt positions whose logprobs were already returned (a preempted request recomputes
     # its prompt; it must not send them twice).
     num_prompt_logprobs_done: int = 0
+    # Async scheduling with drafts: the drafts this runner proposed after the request's last
+    # pass; the scheduler planned placeholders for them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

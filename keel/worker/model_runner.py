@@ -11,6 +11,7 @@ One pass is two calls (the seed's steps 4-5):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -77,6 +78,14 @@ class ModelRunner:
         self.drafter = None if spec is None else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.num_draft_np = np.zeros(self.max_num_reqs, dtype=np.int64)  # drafts per row
+        self.num_unused_drafts_np = np.zeros(self.max_num_reqs, dtype=np.int32)
+        self.num_unused_drafts = 0  # this pass: placeholders the runner had no draft for
+        self.has_drafts = False  # this pass verifies at least one draft
+        # Async scheduling with drafts: the scheduler's counts assume every draft of a step
+        # still in flight was accepted; per row, how far ahead that is (see _update_states).
+        self.defer_spec_corrections = sc.async_scheduling and spec is not None
+        self.spec_corrections_np = np.zeros(self.max_num_reqs, dtype=np.int32)
+        self.has_spec_corrections = False
 
         # Buffers sized once for the largest pass; each pass overwrites a prefix.
         n_tok, n_req = self.max_num_tokens, self.max_num_reqs
@@ -87,6 +96,7 @@ class ModelRunner:
         self.query_start_loc = CpuGpuBuffer(n_req + 1, dtype=torch.int32, device=device)
         self.seq_lens = CpuGpuBuffer(n_req, dtype=torch.int32, device=device)
         self.optimistic_seq_lens_cpu = torch.zeros(n_req, dtype=torch.int32)
+        self.num_computed_np = np.zeros(n_req, dtype=np.int32)  # corrected, for the forward
         self.discard_request_mask = CpuGpuBuffer(n_req, dtype=torch.bool, device=device)
         self.num_scheduled_tokens_np = np.zeros(n_req, dtype=np.int32)
         self._prep_event = torch.cuda.Event() if device.type == "cuda" else None
@@ -106,7 +116,8 @@ class ModelRunner:
     # ---- step 2: the diff -------------------------------------------------------------------
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> Callable | None:
-        """Diff the persistent batch against the scheduler's decision for this pass."""
+        """Diff the persistent batch against the scheduler's decision for this pass. Returns
+        the deferred state corrections (async scheduling with drafts), else None."""
         # Finished: gone from both the long-lived record and the batch.
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -144,16 +155,26 @@ class ModelRunner:
             reqs_to_add.append(req_state)
 
         req_data = scheduler_output.scheduled_cached_reqs
+        deferred: list[tuple[str, int, CachedRequestState]] = []
         for i, req_id in enumerate(req_data.req_ids):
             req_state = self.requests[req_id]
             num_computed_tokens = req_data.num_computed_tokens[i]
             new_block_ids = req_data.new_block_ids[i]
+            if self.defer_spec_corrections and req_id not in resumed_req_ids:
+                # Optimistic: the scheduler counted every draft of this request's step still
+                # in flight as accepted. The runner's record holds the real count (its own
+                # last sample_tokens set it); the difference is corrected after the launch.
+                correction = num_computed_tokens - req_state.num_computed_tokens
+                if correction:
+                    deferred.append((req_id, correction, req_state))
             req_state.num_computed_tokens = num_computed_tokens
             new_token_ids = req_data.new_token_ids[i]
             # Pipeline parallelism: a stage that does not sample learns the sampled tokens
             # from the scheduler (the tokens this pass computes; those it already holds are
             # skipped). On one rank the list is empty: the runner sampled them itself.
-            num_new_tokens = num_computed_tokens + len(new_token_ids) - req_state.num_tokens
+            num_new_tokens = 0
+            if new_token_ids:
+                num_new_tokens = num_computed_tokens + len(new_token_ids) - req_state.num_tokens
             if num_new_tokens > 0:
                 new_token_ids = new_token_ids[-num_new_tokens:]
                 req_state.output_token_ids.extend(new_token_ids)
@@ -186,13 +207,40 @@ class ModelRunner:
 
         self.input_batch.condense()
         self._may_reorder_batch(scheduler_output)
+        self.num_unused_drafts, self.has_drafts = 0, False
         if scheduler_output.scheduled_spec_decode_tokens:  # rows are final now
-            write_draft_tokens(self.input_batch, scheduler_output.scheduled_spec_decode_tokens,
-                               self.num_draft_np)
+            self.num_unused_drafts = write_draft_tokens(
+                self.input_batch, scheduler_output.scheduled_spec_decode_tokens,
+                self.num_draft_np, self.num_unused_drafts_np,
+                self.requests if self.defer_spec_corrections else None)
+            self.has_drafts = bool(self.num_draft_np[: self.input_batch.num_reqs].any())
         self.input_batch.refresh_metadata()
-        # The seed returns deferred state corrections for async scheduling *with* drafts, which
-        # keel refuses; without drafts the runner already holds every token it needs: None.
-        return None
+        self.has_spec_corrections = bool(deferred)
+        if not deferred:
+            # Without drafts in flight the runner already holds every token it needs.
+            return None
+        corrections = self.spec_corrections_np
+        corrections[: self.input_batch.num_reqs] = 0
+        for req_id, correction, _ in deferred:
+            corrections[self.input_batch.req_id_to_index[req_id]] = correction
+        return functools.partial(self._correct_spec_decode_counts, deferred)
+
+    def _correct_spec_decode_counts(
+            self, deferred: list[tuple[str, int, CachedRequestState]]) -> None:
+        """The deferred state corrections: take the rejected drafts of the previous pass out
+        of the long-lived record, the batch's counts and the optimistic lengths. The forward
+        pass already used the corrected counts (_prepare_inputs subtracts spec_corrections_np,
+        as vLLM's device-side update does). On the CPU the accepted counts are known when the
+        diff runs (the worker takes calls in order), so nothing waits here; on a device this
+        is where the CPU would wait for the previous pass's counts, with this one launched."""
+        batch = self.input_batch
+        for req_id, correction, req_state in deferred:
+            req_state.num_computed_tokens -= correction
+            row = batch.req_id_to_index.get(req_id)
+            if row is not None:
+                batch.num_computed_tokens_cpu[row] -= correction
+                self.optimistic_seq_lens_cpu[row] -= correction
+        self.has_spec_corrections = False
 
     def _may_reorder_batch(self, scheduler_output: SchedulerOutput) -> None:
         """Let the attention backend reorder rows. The torch backend takes any order (it pads
@@ -216,19 +264,24 @@ class ModelRunner:
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput, num_scheduled_tokens: np.ndarray
     ) -> tuple[torch.Tensor, Any]:
-        total_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        # Less the draft placeholders this runner had no draft for (async scheduling).
+        total_num_scheduled_tokens = (scheduler_output.total_num_scheduled_tokens
+                                      - self.num_unused_drafts)
         num_reqs = self.input_batch.num_reqs
         self.input_batch.block_table.commit_block_table(num_reqs)
 
         # E.g. num_scheduled_tokens [2, 5, 3] -> req_indices [0,0,1,1,1,1,1,2,2,2]
         req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled_tokens)
         cu_num_tokens = self._get_cumsum_and_arange(num_scheduled_tokens, self.query_pos.np)
+        # The counts the forward pass runs on: the batch's, less the optimistic drafts of a
+        # step that was in flight when this one was scheduled (async scheduling with drafts).
+        num_computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+        if self.has_spec_corrections:
+            num_computed = np.subtract(num_computed, self.spec_corrections_np[:num_reqs],
+                                       out=self.num_computed_np[:num_reqs])
         positions_np = self.positions.np[:total_num_scheduled_tokens]
-        np.add(
-            self.input_batch.num_computed_tokens_cpu[req_indices],
-            self.query_pos.np[: cu_num_tokens[-1]],
-            out=positions_np,
-        )
+        np.add(num_computed[req_indices], self.query_pos.np[: cu_num_tokens[-1]],
+               out=positions_np)
         # A request's token at position p lives at flat offset req_index * max_model_len + p.
         token_indices = positions_np + req_indices * self.input_batch.token_ids_cpu.shape[1]
         torch.index_select(
@@ -248,11 +301,12 @@ class ModelRunner:
         self.query_start_loc.copy_to_gpu()
         query_start_loc = self.query_start_loc.gpu[: num_reqs + 1]
 
-        # Optimistic: how long each sequence is once this pass finishes.
+        # Optimistic: how long each sequence is once this pass finishes, if every draft is
+        # accepted (and, with a correction pending, every draft of the previous pass too).
         seq_lens = self.optimistic_seq_lens_cpu.numpy()[:num_reqs]
         np.add(self.input_batch.num_computed_tokens_cpu[:num_reqs], num_scheduled_tokens,
                out=seq_lens)
-        self.seq_lens.np[:num_reqs] = seq_lens
+        np.add(num_computed, num_scheduled_tokens, out=self.seq_lens.np[:num_reqs])
         self.seq_lens.copy_to_gpu(num_reqs)
 
         # Rows still prefilling after this pass are sampled "for simplicity" and then discarded.
@@ -266,7 +320,7 @@ class ModelRunner:
             num_reqs, query_start_loc, self.positions.gpu[:total_num_scheduled_tokens]
         )
 
-        if scheduler_output.scheduled_spec_decode_tokens:
+        if self.has_drafts:
             # Every draft position and the bonus position (keel/worker/spec_decode.py).
             spec = calc_spec_decode_metadata(self.num_draft_np[:num_reqs], cu_num_tokens,
                                              self.input_ids.gpu[:total_num_scheduled_tokens])
@@ -316,7 +370,7 @@ class ModelRunner:
             )
         num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         with self.synchronize_input_prep():
-            self._update_states(scheduler_output)
+            deferred_state_corrections_fn = self._update_states(scheduler_output)
             if not num_scheduled_tokens:
                 return EMPTY_MODEL_RUNNER_OUTPUT  # the diff ran: finished requests are cleaned
 
@@ -324,6 +378,9 @@ class ModelRunner:
             nst = scheduler_output.num_scheduled_tokens
             num_scheduled_tokens_np = self.num_scheduled_tokens_np[:num_reqs]
             num_scheduled_tokens_np[:] = [nst[r] for r in self.input_batch.req_ids]
+            if self.num_unused_drafts:  # placeholders without a draft are not computed
+                num_scheduled_tokens_np -= self.num_unused_drafts_np[:num_reqs]
+                num_scheduled_tokens -= self.num_unused_drafts
             logits_indices, spec_decode_metadata = self._prepare_inputs(
                 scheduler_output, num_scheduled_tokens_np
             )
@@ -344,6 +401,9 @@ class ModelRunner:
         self.execute_model_state = ExecuteModelState(
             scheduler_output, logits, spec_decode_metadata, hidden_states, sample_hidden_states
         )
+        # Now the pass has been launched: apply the corrections from the previous pass.
+        if deferred_state_corrections_fn is not None:
+            deferred_state_corrections_fn()
         return None
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, grammar_output: GrammarOutput) -> None:
@@ -392,15 +452,31 @@ class ModelRunner:
                 self.requests[req_ids[row]].output_token_ids.append(token)
                 sampled_token_ids[row] = [token]
         else:
-            tokens, _ = rejection_sample(target_logits, spec,
-                                         sampler_output.sampled_token_ids.cpu(), meta)
+            tokens, num_accepted = rejection_sample(target_logits, spec,
+                                                    sampler_output.sampled_token_ids.cpu(), meta)
             append_token_lists(batch, kept_rows, tokens)
             for row in kept_rows.tolist():
                 self.requests[req_ids[row]].output_token_ids.extend(tokens[row])
                 sampled_token_ids[row] = tokens[row]
-        spec_token_ids = None
+        spec_token_ids = num_draft_tokens = None
         if self.drafter is not None:  # drafts for the next step, from the updated rows
             spec_token_ids = self.drafter.propose_for_batch(batch, kept_rows)
+        if self.defer_spec_corrections:
+            # The scheduler plans the next pass with placeholders before it sees this one:
+            # the runner keeps its drafts, and its record of each request's real count of
+            # computed tokens (the rejected drafts taken out), which the next diff compares
+            # with the scheduler's optimistic one.
+            computed = batch.num_computed_tokens_cpu[:num_reqs] + self.num_scheduled_tokens_np[
+                :num_reqs]
+            if spec is not None:
+                computed -= spec.num_draft_tokens - num_accepted
+            for row, req_id in enumerate(req_ids):
+                req_state = self.requests[req_id]
+                req_state.num_computed_tokens = int(computed[row])
+                req_state.spec_token_ids = spec_token_ids[row]
+            num_draft_tokens = (self.num_draft_np[:num_reqs].tolist() if spec is not None
+                                else [0] * num_reqs)
+            spec_token_ids = None  # the scheduler does not use them
         prompt_logprobs_dict = {}
         if batch.num_prompt_logprobs:  # only requests that asked pay for this
             prompt_logprobs_dict = get_prompt_logprobs_dict(
@@ -414,4 +490,5 @@ class ModelRunner:
             logprobs=sampler_output.logprobs,
             prompt_logprobs_dict=prompt_logprobs_dict,
             spec_token_ids=spec_token_ids,
+            num_draft_tokens=num_draft_tokens,
         )

@@ -18,16 +18,29 @@ from keel.sample.rejection_sampler import SpecDecodeMetadata
 from keel.worker.input_batch import InputBatch
 
 
-def write_draft_tokens(batch: InputBatch, spec: dict[str, list[int]],
-                       num_draft: np.ndarray) -> None:
+def write_draft_tokens(batch: InputBatch, spec: dict[str, list[int]], num_draft: np.ndarray,
+                       num_unused: np.ndarray, requests: dict | None = None) -> int:
     """Put each request's drafts after its tokens (num_tokens is unchanged) and their count
-    in num_draft[row] (a buffer made once). Called after condense: rows are final."""
+    in num_draft[row] (buffers made once). Called after condense: rows are final.
+
+    With async scheduling the scheduler sends placeholders (-1), not drafts: each request's
+    drafts are then the ones this runner proposed after its last pass (`requests[req_id].
+    spec_token_ids`), at most as many as placeholders. Placeholders without a draft are not
+    computed: num_unused[row] says how many, and the total is returned."""
     num_draft[: batch.num_reqs] = 0
+    num_unused[: batch.num_reqs] = 0
+    total_unused = 0
     for req_id, drafts in spec.items():
         row = batch.req_id_to_index[req_id]
+        if requests is not None:
+            planned = len(drafts)
+            drafts = requests[req_id].spec_token_ids[:planned]
+            num_unused[row] = planned - len(drafts)
+            total_unused += planned - len(drafts)
         n = batch.num_tokens[row]
         batch.token_ids_cpu[row, n : n + len(drafts)] = drafts
         num_draft[row] = len(drafts)
+    return total_unused
 
 
 def calc_spec_decode_metadata(num_draft: np.ndarray, cu_num_scheduled: np.ndarray,

@@ -129,14 +129,15 @@ def test_killed_engine_fails_requests_and_health(hf_model_dir):
 
 
 def test_async_scheduling_and_drafts_serve_the_same_tokens(server, hf_model_dir):
-    """`keel serve --async-scheduling` and `--speculative-config` give the greedy tokens of the
-    plain server, streamed or not, and go idle with the cache free."""
+    """`keel serve --async-scheduling` and `--speculative-config`, apart and together, give the
+    greedy tokens of the plain server, streamed or not, and go idle with the cache free."""
     body = {"model": MODEL_NAME, "prompt": [9, 8, 7, 9, 8, 7, 9, 8], "max_tokens": 24,
             "temperature": 0, "ignore_eos": True}
     expected = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers,
                           timeout=60).json()["choices"][0]["text"]
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
-    for extra in (["--async-scheduling"], ["--speculative-config", spec]):
+    for extra in (["--async-scheduling"], ["--speculative-config", spec],
+                  ["--async-scheduling", "--speculative-config", spec]):
         other = start_server(hf_model_dir("llama"), *extra, api_key=None)
         try:
             got = httpx.post(f"{other.url}/v1/completions", json=body, timeout=60).json()

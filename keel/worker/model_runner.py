@@ -11,7 +11,6 @@ One pass is two calls (the seed's steps 4-5):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,15 +28,14 @@ from keel.model_executor.loader import load_model
 from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, IntermediateTensors, ModelRunnerOutput
 from keel.sample.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from keel.sample.sampler import Sampler
-from keel.spec_decode.ngram_proposer import NgramProposer
 from keel.worker.buffers import CpuGpuBuffer
 from keel.worker.grammar_bitmask import BatchGrammarBitmask
 from keel.worker.input_batch import CachedRequestState, InputBatch
 from keel.worker.prompt_logprobs import get_prompt_logprobs_dict
 from keel.worker.spec_decode import (
+    RunnerSpecDecode,
     append_token_lists,
     calc_spec_decode_metadata,
-    write_draft_tokens,
 )
 
 logger = logging.getLogger(__name__)
@@ -74,18 +72,8 @@ class ModelRunner:
         )
         self.execute_model_state: ExecuteModelState | None = None
         self.sampler = Sampler(self.max_num_reqs)
-        spec = config.speculative_config
-        self.drafter = None if spec is None else NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self.num_draft_np = np.zeros(self.max_num_reqs, dtype=np.int64)  # drafts per row
-        self.num_unused_drafts_np = np.zeros(self.max_num_reqs, dtype=np.int32)
-        self.num_unused_drafts = 0  # this pass: placeholders the runner had no draft for
-        self.has_drafts = False  # this pass verifies at least one draft
-        # Async scheduling with drafts: the scheduler's counts assume every draft of a step
-        # still in flight was accepted; per row, how far ahead that is (see _update_states).
-        self.defer_spec_corrections = sc.async_scheduling and spec is not None
-        self.spec_corrections_np = np.zeros(self.max_num_reqs, dtype=np.int32)
-        self.has_spec_corrections = False
+        self.spec_decode = RunnerSpecDecode(config.speculative_config, self.max_num_reqs,
+                                            sc.async_scheduling)
 
         # Buffers sized once for the largest pass; each pass overwrites a prefix.
         n_tok, n_req = self.max_num_tokens, self.max_num_reqs
@@ -160,7 +148,7 @@ class ModelRunner:
             req_state = self.requests[req_id]
             num_computed_tokens = req_data.num_computed_tokens[i]
             new_block_ids = req_data.new_block_ids[i]
-            if self.defer_spec_corrections and req_id not in resumed_req_ids:
+            if self.spec_decode.defer_corrections and req_id not in resumed_req_ids:
                 # Optimistic: the scheduler counted every draft of this request's step still
                 # in flight as accepted. The runner's record holds the real count (its own
                 # last sample_tokens set it); the difference is corrected after the launch.
@@ -207,40 +195,14 @@ class ModelRunner:
 
         self.input_batch.condense()
         self._may_reorder_batch(scheduler_output)
-        self.num_unused_drafts, self.has_drafts = 0, False
-        if scheduler_output.scheduled_spec_decode_tokens:  # rows are final now
-            self.num_unused_drafts = write_draft_tokens(
-                self.input_batch, scheduler_output.scheduled_spec_decode_tokens,
-                self.num_draft_np, self.num_unused_drafts_np,
-                self.requests if self.defer_spec_corrections else None)
-            self.has_drafts = bool(self.num_draft_np[: self.input_batch.num_reqs].any())
+        # Rows are final now: drafts go after each row's tokens (keel/worker/spec_decode.py).
+        self.spec_decode.write_drafts(self.input_batch,
+                                      scheduler_output.scheduled_spec_decode_tokens,
+                                      self.requests)
         self.input_batch.refresh_metadata()
-        self.has_spec_corrections = bool(deferred)
-        if not deferred:
-            # Without drafts in flight the runner already holds every token it needs.
-            return None
-        corrections = self.spec_corrections_np
-        corrections[: self.input_batch.num_reqs] = 0
-        for req_id, correction, _ in deferred:
-            corrections[self.input_batch.req_id_to_index[req_id]] = correction
-        return functools.partial(self._correct_spec_decode_counts, deferred)
-
-    def _correct_spec_decode_counts(
-            self, deferred: list[tuple[str, int, CachedRequestState]]) -> None:
-        """The deferred state corrections: take the rejected drafts of the previous pass out
-        of the long-lived record, the batch's counts and the optimistic lengths. The forward
-        pass already used the corrected counts (_prepare_inputs subtracts spec_corrections_np,
-        as vLLM's device-side update does). On the CPU the accepted counts are known when the
-        diff runs (the worker takes calls in order), so nothing waits here; on a device this
-        is where the CPU would wait for the previous pass's counts, with this one launched."""
-        batch = self.input_batch
-        for req_id, correction, req_state in deferred:
-            req_state.num_computed_tokens -= correction
-            row = batch.req_id_to_index.get(req_id)
-            if row is not None:
-                batch.num_computed_tokens_cpu[row] -= correction
-                self.optimistic_seq_lens_cpu[row] -= correction
-        self.has_spec_corrections = False
+        # Without drafts in flight the runner already holds every token it needs: None.
+        return self.spec_decode.deferred_corrections(self.input_batch,
+                                                     self.optimistic_seq_lens_cpu, deferred)
 
     def _may_reorder_batch(self, scheduler_output: SchedulerOutput) -> None:
         """Let the attention backend reorder rows. The torch backend takes any order (it pads
@@ -266,7 +228,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, Any]:
         # Less the draft placeholders this runner had no draft for (async scheduling).
         total_num_scheduled_tokens = (scheduler_output.total_num_scheduled_tokens
-                                      - self.num_unused_drafts)
+                                      - self.spec_decode.num_unused)
         num_reqs = self.input_batch.num_reqs
         self.input_batch.block_table.commit_block_table(num_reqs)
 
@@ -276,8 +238,8 @@ class ModelRunner:
         # The counts the forward pass runs on: the batch's, less the optimistic drafts of a
         # step that was in flight when this one was scheduled (async scheduling with drafts).
         num_computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
-        if self.has_spec_corrections:
-            num_computed = np.subtract(num_computed, self.spec_corrections_np[:num_reqs],
+        if self.spec_decode.has_corrections:
+            num_computed = np.subtract(num_computed, self.spec_decode.corrections_np[:num_reqs],
                                        out=self.num_computed_np[:num_reqs])
         positions_np = self.positions.np[:total_num_scheduled_tokens]
         np.add(num_computed[req_indices], self.query_pos.np[: cu_num_tokens[-1]],
@@ -320,9 +282,10 @@ class ModelRunner:
             num_reqs, query_start_loc, self.positions.gpu[:total_num_scheduled_tokens]
         )
 
-        if self.has_drafts:
+        if self.spec_decode.has_drafts:
             # Every draft position and the bonus position (keel/worker/spec_decode.py).
-            spec = calc_spec_decode_metadata(self.num_draft_np[:num_reqs], cu_num_tokens,
+            spec = calc_spec_decode_metadata(self.spec_decode.num_draft_np[:num_reqs],
+                                             cu_num_tokens,
                                              self.input_ids.gpu[:total_num_scheduled_tokens])
             return spec.logits_indices, spec
         # [0, 2, 7, 10] -> [1, 6, 9]: the last token of each slice.
@@ -378,9 +341,9 @@ class ModelRunner:
             nst = scheduler_output.num_scheduled_tokens
             num_scheduled_tokens_np = self.num_scheduled_tokens_np[:num_reqs]
             num_scheduled_tokens_np[:] = [nst[r] for r in self.input_batch.req_ids]
-            if self.num_unused_drafts:  # placeholders without a draft are not computed
-                num_scheduled_tokens_np -= self.num_unused_drafts_np[:num_reqs]
-                num_scheduled_tokens -= self.num_unused_drafts
+            if self.spec_decode.num_unused:  # placeholders without a draft are not computed
+                num_scheduled_tokens_np -= self.spec_decode.num_unused_np[:num_reqs]
+                num_scheduled_tokens -= self.spec_decode.num_unused
             logits_indices, spec_decode_metadata = self._prepare_inputs(
                 scheduler_output, num_scheduled_tokens_np
             )
@@ -458,25 +421,10 @@ class ModelRunner:
             for row in kept_rows.tolist():
                 self.requests[req_ids[row]].output_token_ids.extend(tokens[row])
                 sampled_token_ids[row] = tokens[row]
-        spec_token_ids = num_draft_tokens = None
-        if self.drafter is not None:  # drafts for the next step, from the updated rows
-            spec_token_ids = self.drafter.propose_for_batch(batch, kept_rows)
-        if self.defer_spec_corrections:
-            # The scheduler plans the next pass with placeholders before it sees this one:
-            # the runner keeps its drafts, and its record of each request's real count of
-            # computed tokens (the rejected drafts taken out), which the next diff compares
-            # with the scheduler's optimistic one.
-            computed = batch.num_computed_tokens_cpu[:num_reqs] + self.num_scheduled_tokens_np[
-                :num_reqs]
-            if spec is not None:
-                computed -= spec.num_draft_tokens - num_accepted
-            for row, req_id in enumerate(req_ids):
-                req_state = self.requests[req_id]
-                req_state.num_computed_tokens = int(computed[row])
-                req_state.spec_token_ids = spec_token_ids[row]
-            num_draft_tokens = (self.num_draft_np[:num_reqs].tolist() if spec is not None
-                                else [0] * num_reqs)
-            spec_token_ids = None  # the scheduler does not use them
+            self.spec_decode.num_accepted = num_accepted
+        # Drafts for the next step, from the updated rows (None without a drafter).
+        spec_token_ids, num_draft_tokens = self.spec_decode.propose(
+            batch, self.requests, kept_rows, self.num_scheduled_tokens_np, spec)
         prompt_logprobs_dict = {}
         if batch.num_prompt_logprobs:  # only requests that asked pay for this
             prompt_logprobs_dict = get_prompt_logprobs_dict(

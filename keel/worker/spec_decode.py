@@ -11,11 +11,16 @@ rows [2, 3], draft_token_ids [7, 9] (the tokens after positions 0 and 1).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
+from keel.config import SpeculativeConfig
 from keel.sample.rejection_sampler import SpecDecodeMetadata
-from keel.worker.input_batch import InputBatch
+from keel.spec_decode.ngram_proposer import NgramProposer
+from keel.worker.input_batch import CachedRequestState, InputBatch
 
 
 def write_draft_tokens(batch: InputBatch, spec: dict[str, list[int]], num_draft: np.ndarray,
@@ -76,3 +81,89 @@ def append_token_lists(batch: InputBatch, rows: np.ndarray, tokens: list[list[in
         n = batch.num_tokens[row]
         batch.token_ids_cpu[row, n : n + len(new)] = new
         batch.num_tokens[row] = n + len(new)
+
+
+class RunnerSpecDecode:
+    """The runner's speculative decoding state: the drafter and per-row buffers made once.
+
+    With async scheduling the scheduler plans step N+1 before it sees step N: it sends draft
+    placeholders and counts every draft of step N as accepted. The runner (which took step N's
+    calls first) fills the placeholders with its own drafts, runs the forward pass on the real
+    counts (`corrections_np`, subtracted in `_prepare_inputs`) and, after launching it, takes
+    the optimistic drafts out of its records (`correct_counts`: the seed's
+    deferred_state_corrections_fn)."""
+
+    def __init__(self, config: SpeculativeConfig | None, max_num_reqs: int,
+                 async_scheduling: bool) -> None:
+        self.drafter = None if config is None else NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.num_draft_np = np.zeros(max_num_reqs, dtype=np.int64)  # drafts per row
+        self.num_unused_np = np.zeros(max_num_reqs, dtype=np.int32)  # placeholders left out
+        self.num_unused = 0  # this pass, in all
+        self.has_drafts = False  # this pass verifies at least one draft
+        self.defer_corrections = async_scheduling and config is not None
+        self.corrections_np = np.zeros(max_num_reqs, dtype=np.int32)  # optimistic - real
+        self.has_corrections = False
+        self.num_accepted: np.ndarray | None = None  # per row, from the rejection sampler
+
+    def write_drafts(self, batch: InputBatch, scheduled: dict[str, list[int]],
+                     requests: dict[str, CachedRequestState]) -> None:
+        self.num_unused, self.has_drafts = 0, False
+        if scheduled:
+            self.num_unused = write_draft_tokens(
+                batch, scheduled, self.num_draft_np, self.num_unused_np,
+                requests if self.defer_corrections else None)
+            self.has_drafts = bool(self.num_draft_np[: batch.num_reqs].any())
+
+    def deferred_corrections(self, batch: InputBatch, optimistic_seq_lens: torch.Tensor,
+                             deferred: list[tuple[str, int, CachedRequestState]]
+                             ) -> Callable[[], None] | None:
+        """After condense: each corrected request's row gets its correction; returns the
+        deferred call (None when nothing is optimistic)."""
+        self.has_corrections = bool(deferred)
+        if not deferred:
+            return None
+        self.corrections_np[: batch.num_reqs] = 0
+        for req_id, correction, _ in deferred:
+            self.corrections_np[batch.req_id_to_index[req_id]] = correction
+        return functools.partial(self.correct_counts, batch, optimistic_seq_lens, deferred)
+
+    def correct_counts(self, batch: InputBatch, optimistic_seq_lens: torch.Tensor,
+                       deferred: list[tuple[str, int, CachedRequestState]]) -> None:
+        """Take the rejected drafts of the previous pass out of the long-lived record, the
+        batch's counts and the optimistic lengths. On the CPU the accepted counts are known
+        when the diff runs (the worker takes calls in order), so nothing waits here; on a
+        device this is where the CPU would wait for them, with this pass launched."""
+        for req_id, correction, req_state in deferred:
+            req_state.num_computed_tokens -= correction
+            row = batch.req_id_to_index.get(req_id)
+            if row is not None:
+                batch.num_computed_tokens_cpu[row] -= correction
+                optimistic_seq_lens[row] -= correction
+        self.has_corrections = False
+
+    def propose(self, batch: InputBatch, requests: dict[str, CachedRequestState],
+                kept_rows: np.ndarray, num_scheduled: np.ndarray,
+                spec: SpecDecodeMetadata | None
+                ) -> tuple[list[list[int]] | None, list[int] | None]:
+        """After sampling: the drafts for the next step (for the scheduler), and with async
+        scheduling the drafts verified per row (for its counters) instead. Returns
+        (spec_token_ids, num_draft_tokens) for the ModelRunnerOutput.
+
+        With async scheduling the runner keeps each request's drafts for the next pass, and
+        its real count of computed tokens (the rejected drafts taken out), which the next
+        diff compares with the scheduler's optimistic count."""
+        if self.drafter is None:
+            return None, None
+        drafts = self.drafter.propose_for_batch(batch, kept_rows)
+        if not self.defer_corrections:
+            return drafts, None
+        n = batch.num_reqs
+        computed = batch.num_computed_tokens_cpu[:n] + num_scheduled[:n]
+        if spec is not None:
+            computed -= spec.num_draft_tokens - self.num_accepted
+        for row, req_id in enumerate(batch.req_ids):
+            req_state = requests[req_id]
+            req_state.num_computed_tokens = int(computed[row])
+            req_state.spec_token_ids = drafts[row]
+        return None, (self.num_draft_np[:n].tolist() if spec is not None else [0] * n)

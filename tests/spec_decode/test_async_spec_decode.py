@@ -35,7 +35,7 @@ def oracle_drafts(runner, expected_by_prompt):
             out[row] = drafts[:K]
         return out
 
-    runner.drafter.propose_for_batch = propose_for_batch
+    runner.spec_decode.drafter.propose_for_batch = propose_for_batch
 
 
 def spec_llm(folder, **kwargs):
@@ -70,10 +70,11 @@ def test_accepted_and_rejected_drafts_with_a_step_in_flight(reference, arch, set
         n = batch.num_reqs
         starts = runner.query_start_loc.np[:n]
         first_pos = runner.positions.np[starts]
-        decoding = batch.num_computed_tokens_cpu[:n] - runner.spec_corrections_np[:n] \
+        spec = runner.spec_decode
+        decoding = batch.num_computed_tokens_cpu[:n] - spec.corrections_np[:n] \
             == batch.num_tokens[:n] - 1
-        if runner.has_spec_corrections:
-            checked["corrected"] += int(runner.spec_corrections_np[:n].astype(bool).sum())
+        if spec.has_corrections:
+            checked["corrected"] += int(spec.corrections_np[:n].astype(bool).sum())
         for row in np.flatnonzero(decoding):
             assert first_pos[row] == batch.num_tokens[row] - 1
             blocks = runner.requests[batch.req_ids[row]].block_ids[0]
@@ -108,7 +109,7 @@ def test_deferred_corrections_run_after_the_forward_pass_is_launched(reference):
     oracle_drafts(runner, {tuple(p): e for p, e in zip(prompts, expected)})
     events = []
     update, forward = runner._update_states, runner.model.forward
-    correct = runner._correct_spec_decode_counts
+    correct = runner.spec_decode.correct_counts
 
     def spy_update(so):
         fn = update(so)
@@ -119,14 +120,14 @@ def test_deferred_corrections_run_after_the_forward_pass_is_launched(reference):
         events.append(("forward", None))
         return forward(*a, **kw)
 
-    def spy_correct(deferred):
+    def spy_correct(batch, seq_lens, deferred):
         before = [(s.num_computed_tokens, c) for _, c, s in deferred]
-        correct(deferred)
+        correct(batch, seq_lens, deferred)
         after = [s.num_computed_tokens for _, _, s in deferred]
         events.append(("correct", (before, after)))
 
     runner._update_states, runner.model.forward = spy_update, spy_forward
-    runner._correct_spec_decode_counts = spy_correct
+    runner.spec_decode.correct_counts = spy_correct
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -161,7 +162,7 @@ def test_stop_inside_an_accepted_run_and_seeded_sampling(reference):
             out[row] = list(truth[tuple(state.prompt_token_ids)][n : n + K])
         return out
 
-    runner.drafter.propose_for_batch = all_right
+    runner.spec_decode.drafter.propose_for_batch = all_right
     stops = [e[7] for e in expected]
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[s])
               for s in stops]

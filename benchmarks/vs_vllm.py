@@ -189,8 +189,10 @@ CHILDREN = {"keel": child_keel, "vllm": child_vllm, "hf": child_hf}
 
 def run_child(args, engine: str, dtype: str, folder: str, prompts_file: str) -> dict:
     python = args.vllm_python if engine == "vllm" else sys.executable
+    out_file = prompts_file + f".{engine}.{dtype}.out"
     cmd = [python, __file__, "--child", engine, "--dtype", dtype, "--folder", folder,
-           "--prompts-file", prompts_file, "--max-tokens", str(args.max_tokens)]
+           "--prompts-file", prompts_file, "--max-tokens", str(args.max_tokens),
+           "--out", out_file]
     if engine == "keel" and args.floor:
         cmd.append("--floor")
     env = dict(os.environ)
@@ -199,9 +201,11 @@ def run_child(args, engine: str, dtype: str, folder: str, prompts_file: str) -> 
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}",
                    VLLM_CPU_KVCACHE_SPACE="2")
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
+    if proc.returncode != 0 or not Path(out_file).is_file():
         raise RuntimeError(f"{engine} {dtype} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(Path(out_file).read_text())
+    os.unlink(out_file)
+    return result
 
 
 def main() -> None:
@@ -222,13 +226,15 @@ def main() -> None:
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
     ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         import logging
 
         logging.disable(logging.WARNING)
         prompts = json.loads(Path(args.prompts_file).read_text())
-        print(json.dumps(CHILDREN[args.child](args, prompts)))
+        # A file, not stdout: engines print their own lines there.
+        Path(args.out).write_text(json.dumps(CHILDREN[args.child](args, prompts)))
         return
     if "vllm" in args.engines and not Path(args.vllm_python).is_file():
         ap.error(f"{args.vllm_python} not found: run ../shared/peers/setup_vllm_cpu.sh or "
@@ -244,8 +250,9 @@ def report(args) -> None:
     from keel.config import load_hf_config, resolve_model_path
     from keel.utils import cpu_model
 
-    folder = str(resolve_model_path(args.model))
+    folder = resolve_model_path(args.model)
     vocab = load_hf_config(folder).vocab_size
+    folder = str(folder)
     prompts = {w: make_prompts(w, args.num_prompts, vocab, args.seed) for w in args.workloads}
     flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags]

@@ -87,20 +87,29 @@ def test_mixed_batch(monkeypatch, use_kernel, heads, kv_heads, head_dim, dtype, 
     assert (out - ref).abs().max().item() < tol
 
 
-def test_long_chunk_takes_the_torch_path(monkeypatch):
-    """Past CPU_KERNEL_MAX_QUERY_LEN queries in one request the pass goes to SDPA (still
-    right); the kernel is not called."""
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_long_chunks_take_sdpa_one_by_one(monkeypatch, window, dtype, tol):
+    """Past CPU_KERNEL_MAX_QUERY_LEN queries, a request's chunk goes to SDPA alone (a whole
+    prompt, and a chunk after context), while the other requests' tokens stay on the kernel,
+    which never sees a long chunk's token."""
     monkeypatch.setattr(torch_paged, "CPU_KERNEL_MAX_QUERY_LEN", 8)
+    real = get_cpu_ops()
+    seen = []
 
-    class NoKernel:
-        write_kv_cache = staticmethod(get_cpu_ops().write_kv_cache)
+    class Kernel:
+        write_kv_cache = staticmethod(real.write_kv_cache)
 
-        def paged_attention(self, *args):
-            raise AssertionError("the kernel must not take a 9-query chunk")
+        def paged_attention(self, query, *args):
+            seen.append(query.shape[0])
+            return real.paged_attention(query, *args)
 
-    monkeypatch.setattr(torch_paged, "get_cpu_ops", NoKernel)
-    out, ref = run_case([9, 17, 4, 30], [9, 6, 1, 1], 9, 3, 64, torch.float32, None)
-    assert (out - ref).abs().max().item() < 1e-5
+    monkeypatch.setattr(torch_paged, "get_cpu_ops", Kernel)
+    # Request 0: a 9-token prompt; 1: 6 queries (kernel); 2, 3: decodes; 4: a 12-query chunk
+    # after 18 tokens of context.
+    out, ref = run_case([9, 17, 4, 30, 30], [9, 6, 1, 1, 12], 9, 3, 64, dtype, window)
+    assert (out - ref).abs().max().item() < tol
+    assert seen and all(n == 6 + 1 + 1 for n in seen)  # only the short requests' tokens
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])

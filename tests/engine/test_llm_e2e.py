@@ -110,3 +110,21 @@ def test_seeded_sampling_independent_of_chunking(hf_model_dir):
     chunked = LLM(folder, dtype="float32", max_num_batched_tokens=16).generate(
         prompt, params, use_tqdm=False)
     assert whole[0].outputs[0].token_ids == chunked[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_long_prompt_chunks_beside_decodes(hf_model_dir, arch):
+    """Chunks longer than the CPU kernel's limit (a whole prompt, then a chunk after context)
+    run in the same passes as decodes and short chunks: each long chunk goes to SDPA alone,
+    the rest to the kernel. Greedy tokens equal transformers' (mistral: sliding window)."""
+    from tests.hf_models import hf_reference
+    from tests.model_executor.test_models import hf_greedy
+
+    folder = hf_model_dir(arch)
+    prompts = [random_prompt(n, seed=70 + n) for n in (9, 420, 14, 290, 5)]
+    hf = hf_reference(folder)
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(folder, dtype="float32", max_num_batched_tokens=320)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -16,12 +16,13 @@ Steps 2-3 use indices that depend only on the batch, so they are built once per 
 `build_attention_metadata` and shared by every layer. A pure-decode pass (every query length 1)
 skips the query scatter entirely.
 
-On the CPU, keel's compiled kernel (`keel/cpu_ops.py`) replaces steps 2-5 whenever no request
-has more than `CPU_KERNEL_MAX_QUERY_LEN` query tokens in the pass: it treats each query token
-as a row of its own whose keys end at the token's position, and reads K/V in place through the
-block table, with no gathered or padded copy. Longer prompt chunks keep SDPA, whose blocked
-matmuls win once a request has many queries to share each key. A faster CUDA kernel can take
-the same place later.
+On the CPU, keel's compiled kernel (`keel/cpu_ops.py`) replaces steps 2-5: it treats each
+query token as a row of its own whose keys end at the token's position, and reads K/V in place
+through the block table, with no gathered or padded copy. A request with more than
+`CPU_KERNEL_MAX_QUERY_LEN` query tokens in the pass (a long prompt chunk) goes to SDPA on its
+own instead (its blocked matmuls win once many queries share each key), unpadded, while the
+other requests of the pass stay on the kernel: padding a batch of decodes to a 700-token
+chunk made a mixed pass 30-100x slower. A faster CUDA kernel can take the same place later.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class PagedAttentionMetadata:
     # Per query token, for the CPU kernel (None in pure decode: row r is token r, seq_lens):
     token_rows: torch.Tensor | None  # [num_tokens] int32 request (block-table row) of token t
     token_seq_lens: torch.Tensor | None  # [num_tokens] int64 keys visible to token t
+    # CPU, a pass with a long prompt chunk: (request, first token, query len, seq len) of each
+    # long chunk (SDPA, one request at a time), and the tokens of every other request (kernel).
+    long_chunks: list[tuple[int, int, int, int]] | None = None
+    short_tokens: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)  # sliding_window -> bool mask
 
     @property
@@ -116,6 +121,13 @@ def build_attention_metadata(
         query_rows = req * max_query_len + offset
         token_rows = req.to(torch.int32)
         token_seq_lens = context_lens[req] + offset + 1
+    long_chunks = short_tokens = None
+    if device.type == "cpu" and max_query_len > CPU_KERNEL_MAX_QUERY_LEN:
+        is_long = query_lens > CPU_KERNEL_MAX_QUERY_LEN
+        long_chunks = [(r, int(qsl[r]), int(query_lens[r]), int(seq_lens[r]))
+                       for r in torch.nonzero(is_long).flatten().tolist()]
+        short = torch.nonzero(~is_long[req]).flatten()
+        short_tokens = short if len(short) else None
     return PagedAttentionMetadata(
         num_actual_tokens=num_tokens,
         max_query_len=max_query_len,
@@ -130,6 +142,8 @@ def build_attention_metadata(
         query_pos=query_pos,
         token_rows=token_rows,
         token_seq_lens=token_seq_lens,
+        long_chunks=long_chunks,
+        short_tokens=short_tokens,
     )
 
 
@@ -162,16 +176,18 @@ def paged_attention(
 
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
-    if kv_cache.device.type == "cpu" and meta.max_query_len <= CPU_KERNEL_MAX_QUERY_LEN:
-        ops = get_cpu_ops()  # one row per query token, K/V read in place: no gathered copy
-        if ops is not None:
-            decode = meta.query_rows is None
-            out = ops.paged_attention(
-                query, kv_cache[0], kv_cache[1], meta.block_table,
-                meta.seq_lens if decode else meta.token_seq_lens,
-                None if decode else meta.token_rows, scale, sliding_window or 0,
-            )
-            return out.view(n, num_heads * head_dim)
+    ops = get_cpu_ops() if kv_cache.device.type == "cpu" else None
+    if ops is not None and meta.long_chunks is None:
+        # One row per query token, K/V read in place: no gathered copy.
+        decode = meta.query_rows is None
+        out = ops.paged_attention(
+            query, kv_cache[0], kv_cache[1], meta.block_table,
+            meta.seq_lens if decode else meta.token_seq_lens,
+            None if decode else meta.token_rows, scale, sliding_window or 0,
+        )
+        return out.view(n, num_heads * head_dim)
+    if ops is not None:
+        return _split_attention(ops, query, key, value, kv_cache, meta, scale, sliding_window)
     r, s, q_len = meta.num_reqs, meta.kv_len, meta.max_query_len
     blocks = meta.kv_blocks.view(-1)
     # [R * NB, block_size, Hkv, D] -> [R, S, Hkv, D] -> [R, Hkv, S, D]
@@ -200,3 +216,41 @@ def paged_attention(
     if meta.query_rows is not None:
         out = out.index_select(0, meta.query_rows)
     return out.to(query.dtype)
+
+
+def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetadata,
+                     scale: float, sliding_window: int | None) -> torch.Tensor:
+    """CPU, a pass with long prompt chunks: the kernel for every other request's tokens, and
+    SDPA for each long chunk alone over its own keys (no padding to the longest)."""
+    n, num_heads, head_dim = query.shape
+    out = query.new_empty(n, num_heads * head_dim)
+    idx = meta.short_tokens
+    if idx is not None:
+        rows = ops.paged_attention(
+            query.index_select(0, idx), kv_cache[0], kv_cache[1], meta.block_table,
+            meta.token_seq_lens.index_select(0, idx), meta.token_rows.index_select(0, idx),
+            scale, sliding_window or 0,
+        )
+        out.index_copy_(0, idx, rows.view(len(idx), -1))
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    for req, start, q_len, seq_len in meta.long_chunks:
+        context = seq_len - q_len
+        if context == 0:  # a whole prompt: its keys are this pass's own
+            k, v = key[start : start + q_len], value[start : start + q_len]
+        else:
+            blocks = meta.block_table[req, : -(-seq_len // block_size)].to(torch.int64)
+            k = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+            v = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0).to(k.dtype)
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        mask = None
+        if context or sliding_window:
+            qpos = torch.arange(context, seq_len)[:, None]
+            kpos = torch.arange(seq_len)[None]
+            mask = kpos <= qpos
+            if sliding_window:
+                mask &= kpos > qpos - sliding_window
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=scale, enable_gqa=num_heads != num_kv_heads)
+        out[start : start + q_len] = o[0].transpose(0, 1).reshape(q_len, -1).to(out.dtype)
+    return out

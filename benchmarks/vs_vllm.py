@@ -212,6 +212,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", nargs="+", default=["keel", "vllm", "hf"])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--hf-dtypes", nargs="+", help="transformers' dtypes (default: --dtypes)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -261,7 +262,9 @@ def report(args) -> None:
               f"{args.num_prompts} requests, {args.max_tokens} new tokens, greedy, EOS ignored | "
               f"one process per engine run, alternating, best of {args.repeats}")
     print(header, flush=True)
-    runs: list[tuple[str, str]] = [(e, d) for e in args.engines for d in args.dtypes]
+    runs: list[tuple[str, str]] = [(e, d) for e in args.engines
+                                   for d in (args.hf_dtypes or args.dtypes if e == "hf"
+                                             else args.dtypes)]
     if "keel" in args.engines:
         runs.insert(0, ("keel", "auto"))
     best: dict[tuple[str, str], dict] = {}
@@ -307,7 +310,7 @@ def print_tables(args, best: dict) -> None:
             print(f"  {engine:5s} {dtype:9s} {tok(engine, dtype, w):8.1f}")
         keel_auto = tok("keel", "auto", w)
         for peer in ("vllm", "hf"):
-            peer_best = max((tok(peer, d, w) or 0, d) for d in args.dtypes)
+            peer_best = max((tok(peer, d, w) or 0, d) for d in args.dtypes + ["float32"])
             if keel_auto and peer_best[0]:
                 print(f"  keel auto / {peer} best ({peer_best[1]}): "
                       f"{keel_auto / peer_best[0]:.2f}x")

@@ -37,12 +37,13 @@ def test_packed_layers_compute_f_linear(dtype, bias):
         x = torch.randn(7, layer.input_size, generator=g).to(dtype)
         want = F.linear(x.float(), dense_w.float(), None if not bias else layer.bias.float())
 
-        # float32 always packs; bfloat16 only where this CPU has native bf16 (else F.linear).
-        should_pack = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        # Every weight packs: bfloat16 natively where this CPU has bf16 dot products, else as
+        # its float32 upcast.
         layer.process_weights_after_loading()
-        assert (layer.packed_weight is not None) == should_pack
-        if should_pack:
-            assert layer.weight.numel() == 0, "the dense copy is released"
+        assert layer.packed_weight is not None
+        assert layer.weight.numel() == 0, "the dense copy is released"
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert layer.packed_upcast == (dtype == torch.bfloat16 and not native)
         got = layer(x)
         assert got.dtype == dtype and got.shape == want.shape
         assert (got.float() - want).abs().max().item() < TOL[dtype] * want.abs().max().item()
@@ -78,3 +79,55 @@ def test_loader_packs_every_linear(hf_model_dir):
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.packed_weight is not None for m in linears)
     assert model.lm_head.packed_weight is not None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_in_float32_is_the_rounded_float32_gemm(monkeypatch, bias):
+    """Forced on (any CPU): a bfloat16 layer packs its weight's exact float32 upcast and
+    returns the float32 GEMM of the upcast input rounded once to bfloat16; the LM head too."""
+    from keel.model_executor.layers import linear
+
+    monkeypatch.setattr(linear, "bf16_gemm_in_float32", lambda w: w.dtype == torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    layer = RowParallelLinear(96, 64, bias=bias, dtype=torch.bfloat16)
+    layer.weight.data = (0.1 * torch.randn(64, 96, generator=g)).to(torch.bfloat16)
+    if bias:
+        layer.bias.data = torch.randn(64, generator=g).to(torch.bfloat16)
+    w = layer.weight.detach().clone()
+    layer.process_weights_after_loading()
+    assert layer.packed_upcast and layer.weight.numel() == 0
+    x = torch.randn(5, 96, generator=g).to(torch.bfloat16)
+    want = F.linear(x.float(), w.float(), None if not bias else layer.bias.float())
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-3)
+    head = ParallelLMHead(50, 96, dtype=torch.bfloat16)
+    head.weight.data = (0.1 * torch.randn(50, 96, generator=g)).to(torch.bfloat16)
+    hw = head.weight.detach().clone()
+    head.process_weights_after_loading()
+    assert head.packed_upcast
+    logits = head.compute_logits(x)
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits, (x.float() @ hw.float().T).to(torch.bfloat16).float(),
+                          rtol=1e-2, atol=1e-3)
+
+
+def test_bf16_choice_is_measured_where_the_cpu_has_bf16(monkeypatch):
+    """With native bfloat16 GEMMs the choice is a measurement, taken once per process: the
+    slower precision loses."""
+    from keel.model_executor.layers import linear
+
+    calls = []
+
+    def fake_time(dtype, *args):
+        calls.append(dtype)
+        return 2.0 if dtype == torch.bfloat16 else 1.0  # bfloat16 slower
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True,
+                        raising=False)
+    monkeypatch.setattr(linear, "_time_packed_gemm", fake_time)
+    monkeypatch.setattr(linear, "_bf16_slower_than_fp32", None)
+    w = torch.zeros(4, 4, dtype=torch.bfloat16)
+    assert linear.bf16_gemm_in_float32(w) and linear.bf16_gemm_in_float32(w)
+    assert len(calls) == 2  # measured once
+    assert not linear.bf16_gemm_in_float32(torch.zeros(4, 4))  # float32 weights: never

@@ -8,10 +8,19 @@ On the CPU, `process_weights_after_loading()` hands each weight to oneDNN once, 
 layout its GEMM reads fastest, and releases the dense copy (vLLM's CPU backend does the same).
 Measured here on the default model's shapes at 64 rows: 1.5x faster than `F.linear`'s MKL path
 in float32, 1.2x in bfloat16 (BENCHMARKS.md). `KEEL_ONEDNN_GEMM=0` keeps plain `F.linear`.
+
+A bfloat16 weight on a CPU without native bfloat16 dot products (AVX2 only, or AVX-512
+without AVX512-BF16) is packed as its exact float32 upcast instead, and the GEMM runs in
+float32 with the output rounded back to bfloat16: there oneDNN and torch emulate bfloat16
+GEMMs, 4x slower than float32 on an AVX2 EPYC. The result is the bfloat16 GEMM's (float32
+accumulation, one rounding), at twice the weight memory. Where the CPU has them, the two are
+timed once at load and the faster kept: native bfloat16 GEMMs ran at half the float32 rate on
+an Intel Xeon with AVX512-BF16 but no AMX, and at twice it on an AMD EPYC with AVX512-BF16.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -23,6 +32,8 @@ from keel.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
@@ -55,13 +66,65 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
 
+_bf16_slower_than_fp32: bool | None = None  # measured once per process
+
+
+def bf16_gemm_in_float32(weight: torch.Tensor) -> bool:
+    """Whether a bfloat16 weight is computed in float32 over its exact upcast (see the module
+    docstring): always without native bfloat16 GEMMs, else when they measure slower."""
+    global _bf16_slower_than_fp32
+    if not (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and os.environ.get("KEEL_ONEDNN_GEMM", "1") != "0"
+            and torch.backends.mkldnn.is_available() and _linear_pointwise is not None):
+        return False
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return True
+    if _bf16_slower_than_fp32 is None:
+        _bf16_slower_than_fp32 = _time_packed_gemm(torch.bfloat16) > _time_packed_gemm(
+            torch.float32)
+        logger.info("bfloat16 weights: GEMMs in %s (measured faster on this CPU)",
+                    "float32 over their upcast" if _bf16_slower_than_fp32 else "bfloat16")
+    return _bf16_slower_than_fp32
+
+
+def _time_packed_gemm(dtype: torch.dtype, rows: int = 64, n: int = 1536, k: int = 576) -> float:
+    """Best of 10 packed GEMMs at a decode-sized shape (the default model's gate_up)."""
+    import time
+
+    packed = pack_weight(torch.randn(n, k).to(dtype))
+    x = torch.randn(rows, k).to(dtype)
+    packed_linear(x, packed)
+    best = float("inf")
+    for _ in range(10):
+        t0 = time.perf_counter()
+        packed_linear(x, packed)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True) -> None:
     """Pack `module.weight` into `module.packed_weight` where oneDNN can take it, and (unless
     told to keep it) release the dense copy, as vLLM's CPU backend does."""
-    if module.packed_weight is None and onednn_gemm_supported(module.weight):
+    if module.packed_weight is not None:
+        return
+    if bf16_gemm_in_float32(module.weight):
+        module.packed_weight = pack_weight(module.weight.float())
+        module.packed_upcast = True
+    elif onednn_gemm_supported(module.weight):
         module.packed_weight = pack_weight(module.weight)
-        if release_dense:
-            module.weight = nn.Parameter(module.weight.new_empty(0), False)
+    else:
+        return
+    if release_dense:
+        module.weight = nn.Parameter(module.weight.new_empty(0), False)
+
+
+def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ packed weight (+ bias); in float32 for an upcast bfloat16 weight, rounded back."""
+    if module.packed_upcast:
+        out = packed_linear(x.float(), module.packed_weight,
+                            None if bias is None else bias.float())
+        return out.to(x.dtype)
+    return packed_linear(x, module.packed_weight, bias)
 
 
 def packed_linear(
@@ -101,6 +164,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None
+        self.packed_upcast = False  # packed_weight is a bfloat16 weight's float32 upcast
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for oneDNN on the CPU and release the dense copy."""
@@ -108,7 +172,7 @@ class LinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, bias)
+            return cpu_gemm(self, x, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@ from keel.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from keel.model_executor.layers.linear import (
+    cpu_gemm,
     default_weight_loader,
     pack_for_cpu_gemm,
-    packed_linear,
 )
 
 
@@ -55,6 +55,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, dtype)
         self.tied = False
         self.packed_weight: torch.Tensor | None = None
+        self.packed_upcast = False
 
     def process_weights_after_loading(self) -> None:
         """Pack for oneDNN on the CPU (see linear.py). A tied weight stays: the embedding
@@ -64,7 +65,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] (only the rows to be sampled) -> [n, vocab] in float32."""
         if self.packed_weight is not None:
-            logits = packed_linear(hidden, self.packed_weight)
+            logits = cpu_gemm(self, hidden, None)
         else:
             logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:

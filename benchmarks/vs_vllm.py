@@ -43,6 +43,22 @@ def make_prompts(workload: str, n: int, vocab: int, seed: int) -> list[list[int]
 # ---- children: one engine, every workload, one JSON line on stdout -------------------------------
 
 
+def time_workloads(llm, sampling_params, prompts: dict, max_tokens: int) -> dict:
+    """keel's and vLLM's `LLM` share this API: a warm-up, then one timed generate per
+    workload (greedy, EOS ignored). Returns {workload: tok/s, seconds, the tokens}."""
+    warm = sampling_params(temperature=0, max_tokens=WARMUP, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts["short"][:4]], warm, use_tqdm=False)
+    out = {}
+    for name, ps in prompts.items():
+        sp = sampling_params(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        res = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        toks = [list(o.outputs[0].token_ids) for o in res]
+        out[name] = {"tok_s": sum(map(len, toks)) / dt, "seconds": dt, "tokens": toks}
+    return out
+
+
 def child_keel(args, prompts: dict) -> dict:
     from keel import LLM, SamplingParams
 
@@ -50,16 +66,8 @@ def child_keel(args, prompts: dict) -> dict:
     llm = LLM(model=args.folder, dtype=args.dtype)
     startup = time.perf_counter() - t0
     dtype = str(llm.engine_core.config.model_config.torch_dtype).replace("torch.", "")
-    warm = SamplingParams(temperature=0, max_tokens=WARMUP, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts["short"][:4]], warm, use_tqdm=False)
-    out = {"startup_s": startup, "dtype": dtype}
-    for name, ps in prompts.items():
-        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        t0 = time.perf_counter()
-        res = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        toks = [list(o.outputs[0].token_ids) for o in res]
-        out[name] = {"tok_s": sum(map(len, toks)) / dt, "seconds": dt, "tokens": toks}
+    out = {"startup_s": startup, "dtype": dtype,
+           **time_workloads(llm, SamplingParams, prompts, args.max_tokens)}
     if args.floor:
         out["decode"] = decode_step_and_floor(llm, prompts["short"])
     return out
@@ -145,17 +153,8 @@ def child_vllm(args, prompts: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=args.folder, dtype=args.dtype, max_model_len=2048, seed=0)
     startup = time.perf_counter() - t0
-    warm = SamplingParams(temperature=0, max_tokens=WARMUP, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts["short"][:4]], warm, use_tqdm=False)
-    out = {"startup_s": startup, "dtype": args.dtype}
-    for name, ps in prompts.items():
-        sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        t0 = time.perf_counter()
-        res = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        toks = [list(o.outputs[0].token_ids) for o in res]
-        out[name] = {"tok_s": sum(map(len, toks)) / dt, "seconds": dt, "tokens": toks}
-    return out
+    return {"startup_s": startup, "dtype": args.dtype,
+            **time_workloads(llm, SamplingParams, prompts, args.max_tokens)}
 
 
 def child_hf(args, prompts: dict) -> dict:

@@ -57,7 +57,7 @@ def main() -> None:
     llm = LLM(dtype=args.dtype)
     core = llm.engine_core
     runner = core.model_executor.driver_worker.model_runner
-    sp = SamplingParams(temperature=0, max_tokens=100000, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for i, p in enumerate(make_prompts(args.workload, args.num_requests, 49152, 0)):
         request, _ = llm.input_processor.process(str(i), {"prompt_token_ids": p}, sp)
         core.add_request(request)

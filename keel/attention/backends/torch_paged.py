@@ -244,12 +244,15 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
         q = query[start : start + q_len].transpose(0, 1).unsqueeze(0).to(k.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         mask = None
-        if context or sliding_window:
-            qpos = torch.arange(context, seq_len)[:, None]
-            kpos = torch.arange(seq_len)[None]
-            mask = kpos <= qpos
-            if sliding_window:
-                mask &= kpos > qpos - sliding_window
+        if context or sliding_window:  # built once per pass, shared by every layer
+            mask = meta._masks.get((req, sliding_window))
+            if mask is None:
+                qpos = torch.arange(context, seq_len)[:, None]
+                kpos = torch.arange(seq_len)[None]
+                mask = kpos <= qpos
+                if sliding_window:
+                    mask &= kpos > qpos - sliding_window
+                meta._masks[(req, sliding_window)] = mask
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=num_heads != num_kv_heads)
         out[start : start + q_len] = o[0].transpose(0, 1).reshape(q_len, -1).to(out.dtype)

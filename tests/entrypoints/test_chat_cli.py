@@ -53,7 +53,15 @@ def test_ctrl_c_during_an_answer_exits_cleanly(hf_model_dir):
     assert first
     kids = _descendants(proc.pid)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=30) == 0
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        for kid in kids:
+            kid.kill()
+        raise AssertionError("keel chat did not exit within 30 s of Ctrl-C; its stderr:\n"
+                             + proc.communicate(timeout=10)[1][-3000:]) from None
+    assert code == 0
     _, alive = psutil.wait_procs(kids, timeout=10)
     assert not alive
 

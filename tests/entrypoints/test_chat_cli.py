@@ -44,9 +44,16 @@ def test_chat_keeps_the_conversation_and_exits_on_eof(hf_model_dir):
 
 
 def test_ctrl_c_during_an_answer_exits_cleanly(hf_model_dir):
-    proc = subprocess.Popen(_chat_cmd(hf_model_dir("llama"), "--max-tokens", "400"),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # As from a terminal: SIGINT caught (reset to its default in the child) even when this
+    # run inherited it ignored (a shell's background job ignores it, and an ignored signal
+    # stays ignored across exec: Python in the child would then keep ignoring Ctrl-C).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(_chat_cmd(hf_model_dir("llama"), "--max-tokens", "400"),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     proc.stdin.write("tell me a long story\n")
     proc.stdin.flush()
     first = proc.stdout.read(1)  # the answer has started streaming

@@ -241,6 +241,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     threads: int | None = None  # torch intra-op threads; None: all cores of this process
     speculative_config: SpeculativeConfig | None = None
+    trace_path: str | None = None  # record every step to this JSON Lines file (keel/trace/)
 
     def __post_init__(self) -> None:
         pc = self.parallel_config

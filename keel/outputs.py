@@ -74,6 +74,8 @@ class ModelRunnerOutput:
     # Async scheduling with drafts: how many drafts each row really verified (the scheduler
     # planned placeholders; the runner may have had fewer drafts). None otherwise.
     num_draft_tokens: list[int] | None = None
+    # Tracing on (keel/trace/): what this pass did to the persistent batch; else None.
+    trace: dict | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

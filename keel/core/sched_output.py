@@ -45,6 +45,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
+    # Preempted since the last output (their blocks are freed; they resume as cached reqs).
+    preempted_req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)

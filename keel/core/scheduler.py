@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last schedule(): sent to the runner in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()  # since the last SchedulerOutput
         self.num_preemptions = 0  # total, for metrics and tests
         self.structured_output_manager = structured_output_manager
         # With pipeline stages, only the last one samples: the others learn each pass's
@@ -246,8 +247,9 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
             finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
         )
-        self.finished_req_ids = set()
+        self.finished_req_ids, self.preempted_req_ids = set(), set()
         # The runner got the pre-step counts above; from here on they include this step (and,
         # optimistically, every draft: update_from_output takes back the rejected ones).
         for request in (*scheduled_running, *scheduled_new, *scheduled_resumed):
@@ -293,6 +295,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.preempted_req_ids.add(request.request_id)
         self.waiting.appendleft(request)
 
     def _grammar_ready(self, request: Request) -> bool:

@@ -37,6 +37,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
     speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 3}
+    trace_path: str | None = None  # record each step's persistent batch (keel trace view)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -66,4 +67,5 @@ class EngineArgs:
             ),
             threads=self.threads,
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
+            trace_path=None if self.trace_path is None else str(self.trace_path),
         )

@@ -16,6 +16,7 @@ from keel.executor.abstract import Executor
 from keel.outputs import EngineCoreOutputs, SchedulerStats
 from keel.request import Request, RequestStatus
 from keel.structured_output import StructuredOutputManager
+from keel.trace.recorder import TraceWriter, trace_meta
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,12 @@ class EngineCore:
         # Aborts that arrive from another thread while a step runs (a server's input thread).
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.first_token_time: float | None = None  # time.monotonic() of the first sample
+        # Tracing (keel/trace/): one JSON line per step, written around the scheduler's two
+        # calls so that step() keeps the seed's shape; None when off (the default).
+        self.trace = None
+        if config.trace_path is not None:
+            self.trace = TraceWriter(config.trace_path, trace_meta(config))
+            self.trace.instrument(self.scheduler)
 
     def add_request(self, request: Request) -> None:
         if request.use_structured_output:
@@ -124,6 +131,8 @@ class EngineCore:
         return engine_core_outputs, scheduled
 
     def shutdown(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
         self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
 

@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV cache of shared prompt prefixes")
+    p.add_argument("--trace", dest="trace_path", default=None, metavar="FILE",
+                   help="record what every step did to the persistent batch (JSON Lines); "
+                   "view it with `keel trace view FILE`")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +109,36 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=512)
     c.add_argument("--temperature", type=float, default=0.7)
     c.add_argument("--top-p", type=float, default=0.9)
+
+    t = sub.add_parser("trace", help="look at a trace recorded with --trace")
+    tsub = t.add_subparsers(dest="trace_command", required=True)
+    v = tsub.add_parser("view", help="write the step-by-step viewer: one self-contained HTML "
+                        "file")
+    v.add_argument("trace_file", metavar="FILE")
+    v.add_argument("-o", "--output", default=None, help="the HTML file (default: FILE.html)")
+    v.add_argument("--open", action="store_true", help="open it in the default browser")
+    ch = tsub.add_parser("chrome", help="export the phase timings as Chrome trace events "
+                         "(Perfetto, chrome://tracing)")
+    ch.add_argument("trace_file", metavar="FILE")
+    ch.add_argument("-o", "--output", default=None,
+                    help="the JSON file (default: FILE.chrome.json)")
     return p
+
+
+def run_trace(args: argparse.Namespace) -> None:
+    if args.trace_command == "chrome":
+        from keel.trace.chrome import write_chrome_trace
+
+        print(write_chrome_trace(args.trace_file, args.output))
+        return
+    from keel.trace.viewer import render_html
+
+    path = render_html(args.trace_file, args.output)
+    print(path)
+    if args.open:
+        import webbrowser
+
+        webbrowser.open(path.resolve().as_uri())
 
 
 def engine_args_of(args: argparse.Namespace):
@@ -203,7 +235,8 @@ def run_generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run = {"generate": run_generate, "serve": run_serve, "chat": run_chat}[args.command]
+    run = {"generate": run_generate, "serve": run_serve, "chat": run_chat,
+           "trace": run_trace}[args.command]
     try:
         run(args)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError, RuntimeError) as e:

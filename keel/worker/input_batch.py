@@ -110,6 +110,8 @@ class InputBatch:
         # [max_num_reqs, vocab] bool, True = not allowed; made on first use.
         self._allowed_mask: torch.Tensor | None = None
         self.sampling_metadata: SamplingMetadata | None = None
+        # Tracing (keel/trace/): a list while a pass is recorded, else None.
+        self.moves: list[tuple[str, int, int]] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -217,6 +219,8 @@ class InputBatch:
         self.req_ids[tgt], self.req_ids[src] = req_id, None
         self.req_id_to_index[req_id] = tgt
         self.sampling_metadata = None
+        if self.moves is not None:
+            self.moves.append((req_id, src, tgt))
 
     def swap_states(self, a: int, b: int) -> None:
         """Exchange two rows (used by a backend that wants its own order)."""

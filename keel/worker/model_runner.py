@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -28,6 +29,7 @@ from keel.model_executor.loader import load_model
 from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, IntermediateTensors, ModelRunnerOutput
 from keel.sample.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from keel.sample.sampler import Sampler
+from keel.trace.recorder import RunnerTrace
 from keel.worker.buffers import CpuGpuBuffer
 from keel.worker.grammar_bitmask import BatchGrammarBitmask
 from keel.worker.input_batch import CachedRequestState, InputBatch
@@ -89,6 +91,8 @@ class ModelRunner:
         self.num_scheduled_tokens_np = np.zeros(n_req, dtype=np.int32)
         self._prep_event = torch.cuda.Event() if device.type == "cuda" else None
         self._grammar_bitmask = BatchGrammarBitmask(self.max_num_reqs, device)
+        # Tracing (keel/trace/recorder.py): None when off, and then each hook is one check.
+        self.trace = RunnerTrace() if config.trace_path else None
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -332,10 +336,18 @@ class ModelRunner:
                 "State error: sample_tokens() must be called after execute_model() returns None."
             )
         num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        trace = self.trace
         with self.synchronize_input_prep():
+            if trace is not None:
+                trace.begin(self)
             deferred_state_corrections_fn = self._update_states(scheduler_output)
+            if trace is not None:
+                trace.after_diff(self, scheduler_output)
             if not num_scheduled_tokens:
-                return EMPTY_MODEL_RUNNER_OUTPUT  # the diff ran: finished requests are cleaned
+                # The diff ran: finished requests are cleaned.
+                if trace is not None:
+                    return dataclasses.replace(EMPTY_MODEL_RUNNER_OUTPUT, trace=trace.finish())
+                return EMPTY_MODEL_RUNNER_OUTPUT
 
             num_reqs = self.input_batch.num_reqs
             nst = scheduler_output.num_scheduled_tokens
@@ -347,6 +359,8 @@ class ModelRunner:
             logits_indices, spec_decode_metadata = self._prepare_inputs(
                 scheduler_output, num_scheduled_tokens_np
             )
+            if trace is not None:
+                trace.after_prepare(self, num_scheduled_tokens_np, logits_indices)
             attn_metadata = self._build_attention_metadata(
                 num_reqs, num_scheduled_tokens, int(num_scheduled_tokens_np.max())
             )
@@ -361,6 +375,8 @@ class ModelRunner:
         # Only the rows that will be sampled are projected to the vocabulary.
         sample_hidden_states = hidden_states[logits_indices]
         logits = self.model.compute_logits(sample_hidden_states)
+        if trace is not None:
+            trace.after_forward()
         self.execute_model_state = ExecuteModelState(
             scheduler_output, logits, spec_decode_metadata, hidden_states, sample_hidden_states
         )
@@ -382,6 +398,7 @@ class ModelRunner:
                       ) -> ModelRunnerOutput | None:
         if self.execute_model_state is None:
             return None  # nothing parked (e.g. a rank that returned hidden states)
+        sample_start = time.monotonic_ns() / 1000.0 if self.trace is not None else None
         state = self.execute_model_state
         self.execute_model_state = None
         spec = state.spec_decode_metadata
@@ -439,4 +456,6 @@ class ModelRunner:
             prompt_logprobs_dict=prompt_logprobs_dict,
             spec_token_ids=spec_token_ids,
             num_draft_tokens=num_draft_tokens,
+            trace=None if self.trace is None else self.trace.finish(sampled_token_ids,
+                                                                    sample_start),
         )

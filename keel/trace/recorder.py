@@ -20,6 +20,7 @@ The format is written out in docs/trace.md.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from keel.core.sched_output import SchedulerOutput
     from keel.outputs import ModelRunnerOutput
     from keel.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 TRACE_VERSION = 1
 MAX_TOKENS = 2048  # per-token entries kept per step
@@ -255,14 +258,17 @@ def trace_meta(config: Any) -> dict[str, Any]:
             "async_scheduling": sc.async_scheduling}
 
 
-def read_trace(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(meta, steps) of a trace file; a clear ValueError for a file that is not one."""
+def load_trace(path: str | Path) -> dict[str, Any]:
+    """Read a trace into {"source", "meta", "steps", "truncated"} ("truncated": the writer's
+    last line when the file reached max_bytes, else None). A clear error, naming the file and
+    line, for a missing file, a line that is not a JSON record, or no step line at all."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Trace file {str(path)!r} not found: record one with "
                                 "`keel generate --trace FILE` or LLM(..., trace_path=FILE).")
-    meta: dict[str, Any] = {}
+    meta: dict[str, Any] | None = None
     steps: list[dict[str, Any]] = []
+    cut: dict[str, Any] | None = None
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -273,11 +279,25 @@ def read_trace(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                 raise ValueError(f"{path}:{lineno} is not JSON ({e.msg}): is this a keel "
                                  "trace (JSON Lines)?") from None
             kind = obj.get("type") if isinstance(obj, dict) else None
-            if kind == "meta":
-                meta = obj
-            elif kind == "step":
+            if kind is None:
+                raise ValueError(f"{path}:{lineno} is not a keel trace record (a JSON object "
+                                 'with a "type")')
+            if kind == "step":
                 steps.append(obj)
+            elif kind == "meta" and meta is None:
+                meta = obj
+            elif kind == "truncated":
+                cut = obj
     if not steps:
         raise ValueError(f"{path} has no step lines: record a run with tracing on "
                          "(`keel generate --trace FILE`).")
-    return meta, steps
+    if meta is not None and meta.get("keel_trace") != TRACE_VERSION:
+        logger.warning("%s: keel_trace version %r; this keel reads version %d", path,
+                       meta.get("keel_trace"), TRACE_VERSION)
+    return {"source": path.name, "meta": meta, "steps": steps, "truncated": cut}
+
+
+def read_trace(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(meta, steps) of a trace file (see load_trace)."""
+    trace = load_trace(path)
+    return trace["meta"] or {}, trace["steps"]

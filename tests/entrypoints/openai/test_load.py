@@ -13,6 +13,7 @@ import time
 
 import httpx2 as httpx
 
+from keel.trace.recorder import read_trace
 from tests.entrypoints.openai.conftest import MODEL_NAME, start_server, stop_server
 
 
@@ -128,16 +129,18 @@ def test_killed_engine_fails_requests_and_health(hf_model_dir):
         stop_server(server)
 
 
-def test_async_scheduling_and_drafts_serve_the_same_tokens(server, hf_model_dir):
+def test_async_scheduling_and_drafts_serve_the_same_tokens(server, hf_model_dir, tmp_path):
     """`keel serve --async-scheduling` and `--speculative-config`, apart and together, give the
-    greedy tokens of the plain server, streamed or not, and go idle with the cache free."""
+    greedy tokens of the plain server, streamed or not, and go idle with the cache free. The
+    last one also records a trace (`--trace`)."""
     body = {"model": MODEL_NAME, "prompt": [9, 8, 7, 9, 8, 7, 9, 8], "max_tokens": 24,
             "temperature": 0, "ignore_eos": True}
     expected = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers,
                           timeout=60).json()["choices"][0]["text"]
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     for extra in (["--async-scheduling"], ["--speculative-config", spec],
-                  ["--async-scheduling", "--speculative-config", spec]):
+                  ["--async-scheduling", "--speculative-config", spec,
+                   "--trace", str(tmp_path / "serve.jsonl")]):
         other = start_server(hf_model_dir("llama"), *extra, api_key=None)
         try:
             got = httpx.post(f"{other.url}/v1/completions", json=body, timeout=60).json()
@@ -151,3 +154,7 @@ def test_async_scheduling_and_drafts_serve_the_same_tokens(server, hf_model_dir)
             _wait_for(lambda srv=other: srv.metric("keel:kv_cache_usage_perc") == 0.0)
         finally:
             stop_server(other)
+    _, steps = read_trace(tmp_path / "serve.jsonl")
+    kept = [t for s in steps for row in (s["sampled_token_ids"] or ()) for t in row]
+    assert len(kept) == 2 * body["max_tokens"]  # the two requests, every token once
+    assert any(s["scheduler_output"]["spec_decode_tokens"] for s in steps)

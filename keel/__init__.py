@@ -4,10 +4,17 @@ import logging
 import os
 
 from keel.engine.llm import LLM
-from keel.outputs import CompletionOutput, RequestOutput
+from keel.outputs import (
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from keel.pooling_params import PoolingParams
 from keel.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "PoolingParams",
+           "PoolingRequestOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 # Like vLLM, keel prints its own start-up information (KV cache size, ...) unless told not to.

@@ -46,21 +46,36 @@ class ModelConfig:
     seed: int = 0
     device: str = "auto"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
+    # "generate", "pooling" (embeddings: LLM.embed), or "auto": pooling for a
+    # sentence-transformers folder or a bare `*Model` architecture (BertModel, Qwen3Model).
+    runner: str = "auto"
     # Filled in by __post_init__.
     model_path: Path = field(init=False)
     hf_config: Any = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
+    runner_type: str = field(init=False)  # "generate" | "pooling"
+    pooler_config: Any = field(init=False, default=None)  # PoolerConfig when pooling
+    is_encoder_only: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         from keel.model_executor.models import resolve_architecture
 
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"Unknown runner {self.runner!r}: use auto, generate or pooling.")
         self.torch_device = resolve_device(self.device)
-        self.model_path = resolve_model_path(self.model)
+        if self.model is None and self.runner == "pooling":
+            from keel.model_executor.default_model import default_embedding_model_path
+
+            self.model_path = default_embedding_model_path()
+        else:
+            self.model_path = resolve_model_path(self.model)
         self.hf_config = load_hf_config(self.model_path)
-        resolve_architecture(self.hf_config)  # fail early on an unsupported architecture
+        cls = resolve_architecture(self.hf_config)  # fail early on an unsupported one
+        self._resolve_runner(cls)
         self.torch_dtype = self._resolve_dtype()
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        limit = min(limit, self._sentence_transformers_max_len() or limit)
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}.")
         if self.max_model_len is None:
@@ -72,6 +87,40 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={limit}: pass a value <= {limit}."
             )
+
+    def _resolve_runner(self, cls: type) -> None:
+        from keel.model_executor.layers.pooler import resolve_pooler_config
+        from keel.model_executor.models import POOLING_ONLY
+
+        archs = list(getattr(self.hf_config, "architectures", None) or [])
+        if any(a.endswith("ForSequenceClassification") for a in archs):
+            raise NotImplementedError(
+                f"{archs[0]}: classification heads are not implemented in keel yet; an "
+                "embedding model (BertModel, a sentence-transformers folder) or a decoder "
+                "works.")
+        pooling_only = bool(POOLING_ONLY & set(archs))
+        runner = self.runner
+        if runner == "auto":
+            st_folder = (self.model_path / "modules.json").is_file()
+            runner = "pooling" if pooling_only or st_folder else "generate"
+        if runner == "generate" and pooling_only:
+            raise ValueError(f"{archs[0]} has no LM head: it cannot generate. Use it with "
+                             "runner='pooling' (LLM.embed, keel embed).")
+        self.runner_type = runner
+        self.is_encoder_only = bool(getattr(cls, "is_encoder_only", False))
+        if runner == "pooling":
+            self.pooler_config = resolve_pooler_config(self.model_path, self.is_encoder_only)
+
+    def _sentence_transformers_max_len(self) -> int | None:
+        """A sentence-transformers folder's `max_seq_length` (its encode() truncates there)."""
+        path = self.model_path / "sentence_bert_config.json"
+        if self.runner_type != "pooling" or not path.is_file():
+            return None
+        try:
+            value = json.loads(path.read_text()).get("max_seq_length")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        return value if isinstance(value, int) and value > 0 else None
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -168,6 +217,8 @@ class SchedulerConfig:
     max_model_len: int = 2048  # copied from ModelConfig by EngineConfig
     # Plan step N+1 while step N runs (two steps in flight; see EngineCore.step_with_batch_queue)
     async_scheduling: bool = False
+    # False: a prompt is scheduled whole or waits (set for encoders and CLS/mean pooling).
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -281,3 +332,24 @@ class EngineConfig:
             )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}.")
+        if self.model_config.runner_type == "pooling":
+            self._configure_pooling()
+
+    def _configure_pooling(self) -> None:
+        """Pooling runs prompts only. CLS and mean pooling (and any encoder) need each prompt
+        whole in one pass: no chunked prefill, no prefix caching (as vLLM does for encoders)."""
+        mc, sc, cc = self.model_config, self.scheduler_config, self.cache_config
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config is for generation: drop it for a pooling "
+                             "model (runner='pooling').")
+        if self.parallel_config.pipeline_parallel_size > 1:
+            raise NotImplementedError("pooling with pipeline_parallel_size > 1 is not "
+                                      "implemented in keel yet.")
+        if mc.is_encoder_only or mc.pooler_config.needs_whole_prompt:
+            sc.enable_chunked_prefill = False
+            cc.enable_prefix_caching = False
+            if sc.max_num_batched_tokens < mc.max_model_len:
+                logger.info("Pooling without chunked prefill: max_num_batched_tokens raised "
+                            "from %d to max_model_len=%d.", sc.max_num_batched_tokens,
+                            mc.max_model_len)
+                sc.max_num_batched_tokens = mc.max_model_len

@@ -76,6 +76,9 @@ class ModelRunnerOutput:
     num_draft_tokens: list[int] | None = None
     # Tracing on (keel/trace/): what this pass did to the persistent batch; else None.
     trace: dict | None = None
+    # A pooling model: per row, the pooled vector of a prompt completed this pass (float32,
+    # on the CPU), None for a row still prefilling. None for a generation model.
+    pooler_output: list[torch.Tensor | None] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -93,6 +96,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     new_logprobs: LogprobsLists | None = None  # one row per new token
     new_prompt_logprobs: LogprobsLists | None = None  # one row per prompt position this pass
+    pooling_output: torch.Tensor | None = None  # a pooling request's vector (it is finished)
 
     @property
     def finished(self) -> bool:
@@ -151,3 +155,47 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+# ---- pooling models (LLM.encode / LLM.embed) ----------------------------------------------------
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor  # [hidden] float32, the pooled vector
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What `LLM.encode` returns per prompt (vLLM's name): `outputs.data` is the tensor."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's name): `outputs.embedding` is a list."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, out.prompt, out.prompt_token_ids,
+                   EmbeddingOutput(out.outputs.data.tolist()), out.finished)

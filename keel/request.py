@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from keel.pooling_params import PoolingParams
 from keel.sampling_params import SamplingParams
 
 
@@ -56,6 +57,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # Async scheduling: tokens sampled by steps still in flight (scheduled, not yet known).
     num_output_placeholders: int = 0
+    # A pooling request (embeddings): finished with one vector once its prompt is computed.
+    pooling_params: PoolingParams | None = None
 
     @property
     def use_structured_output(self) -> bool:

@@ -94,3 +94,39 @@ def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dty
         2 * block_size * layer.num_kv_heads * layer.head_size * elem
         for layer in attention_layers(model)
     )
+
+
+class EncoderOnlyAttention(nn.Module):
+    """Bidirectional attention within each request of the flat batch, and no KV cache (an
+    encoder such as BERT sees its whole prompt in one pass: the engine turns chunked prefill
+    and prefix caching off for it). Not an `Attention`, so no KV cache is allocated for it.
+
+    The pass's tokens are scattered into a padded [R, max_query_len] layout (the same
+    `query_rows` the decoder path uses), attended with padded keys masked, and gathered back.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, prefix: str = "") -> None:
+        super().__init__()
+        self.num_heads, self.head_size, self.scale, self.prefix = (num_heads, head_size, scale,
+                                                                   prefix)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v: [T, H * D] -> [T, H * D]."""
+        meta = get_forward_context().attn_metadata
+        t, h, d = q.shape[0], self.num_heads, self.head_size
+        num_reqs, q_len = meta.num_reqs, meta.max_query_len
+        if q_len == 1:
+            return v  # one token per request: it attends to itself only
+        rows = meta.query_rows  # [T] row of each token in [R * max_query_len]
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H*D] -> [R, H, Q, D]
+            out = x.new_zeros(num_reqs * q_len, h, d)
+            out.index_copy_(0, rows, x.view(t, h, d))
+            return out.view(num_reqs, q_len, h, d).transpose(1, 2)
+
+        qsl = meta.query_start_loc.to(torch.int64)
+        key_valid = torch.arange(q_len, device=q.device) < (qsl[1:] - qsl[:-1])[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            padded(q), padded(k), padded(v), attn_mask=key_valid[:, None, None, :],
+            scale=self.scale)  # [R, H, Q, D]
+        return out.transpose(1, 2).reshape(num_reqs * q_len, h * d)[rows]

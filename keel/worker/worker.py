@@ -75,6 +75,10 @@ class Worker:
         per_block = kv_cache_bytes_per_block(self.model_runner.model, cc.block_size, mc.torch_dtype)
         blocks_per_seq = -(-mc.max_model_len // cc.block_size)
         useful = blocks_per_seq * self.config.scheduler_config.max_num_seqs
+        if per_block == 0:
+            # No layer keeps a KV cache (an encoder): blocks are only the scheduler's count.
+            logger.info("No KV cache: %s attends within each pass.", mc.hf_config.architectures[0])
+            return useful
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
             budget = num_blocks * per_block

@@ -11,7 +11,14 @@ _MODELS = {
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+    # Pooling only (no LM head): encoders, and decoders saved as their bare model.
+    "BertModel": ("bert", "BertModel"),
+    "LlamaModel": ("llama", "LlamaEmbeddingModel"),
+    "MistralModel": ("llama", "LlamaEmbeddingModel"),
+    "Qwen2Model": ("llama", "Qwen2EmbeddingModel"),
+    "Qwen3Model": ("llama", "Qwen3EmbeddingModel"),
 }
+POOLING_ONLY = {"BertModel", "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"}
 
 
 def supported_architectures() -> list[str]:

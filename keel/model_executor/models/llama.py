@@ -27,11 +27,10 @@ from keel.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    default_weight_loader,
 )
 from keel.model_executor.layers.rotary_embedding import RotaryEmbedding
 from keel.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from keel.model_executor.weight_errors import WeightLoadError
+from keel.model_executor.models.utils import load_hf_weights
 from keel.outputs import IntermediateTensors
 
 
@@ -230,46 +229,12 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into keel's (merged) parameters. Returns the HF names loaded."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # a cache some old checkpoints saved; recomputed from config
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue  # tied: the embedding is the projection
-            if name.startswith(self._other_stages):
-                continue  # another pipeline stage loads it
-            for merged_name, hf_name, shard_id in self.stacked_params_mapping:
-                if f".{hf_name}." not in name:
-                    continue
-                target = name.replace(hf_name, merged_name)
-                if target not in params:
-                    break
-                param = params[target]
-                self._load(param, tensor, name, shard_id)
-                break
-            else:
-                if name not in params:
-                    raise WeightLoadError(
-                        f"Unexpected tensor {name!r} in the checkpoint: {type(self).__name__} "
-                        f"with this config.json has no such parameter."
-                    )
-                self._load(params[name], tensor, name, None)
-            loaded.add(name)
-        return loaded
+        return load_hf_weights(self, weights, self.stacked_params_mapping, self._skip_weight)
 
-    @staticmethod
-    def _load(param: nn.Parameter, tensor: torch.Tensor, name: str, shard_id) -> None:
-        loader = getattr(param, "weight_loader", None)
-        try:
-            if loader is None:
-                default_weight_loader(param, tensor, name)
-            elif shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
-        except ValueError as e:
-            raise WeightLoadError(f"Tensor {name!r}: {e}") from e
+    def _skip_weight(self, name: str) -> bool:
+        return ("rotary_emb.inv_freq" in name  # a cache some old checkpoints saved
+                or (self.tie_word_embeddings and name == "lm_head.weight")  # tied
+                or name.startswith(self._other_stages))  # another pipeline stage loads it
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -281,4 +246,37 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+class LlamaEmbeddingModel(LlamaForCausalLM):
+    """A Llama-family decoder saved without its LM head (`LlamaModel`, `Qwen3Model`, ...: the
+    form decoder embedders such as Qwen3-Embedding often take): tensor names lack the
+    `model.` prefix, and there is nothing to project to the vocabulary. Pooling only."""
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config, dtype)
+        self.lm_head = PPMissingLayer()
+        self.tie_word_embeddings = False
+        self._other_stages = (*self._other_stages, "lm_head.")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        renamed = (("model." + n if not n.startswith(("model.", "lm_head.")) else n, t)
+                   for n, t in weights)
+        return {n.removeprefix("model.") for n in super().load_weights(renamed)}
+
+    def expected_weights(self) -> set[str]:
+        return {n.removeprefix("model.") for n in super().expected_weights()
+                if not n.startswith("lm_head.")}
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"{type(self).__name__} has no LM head: it embeds (LLM.embed), it "
+                         "cannot generate.")
+
+
+class Qwen2EmbeddingModel(LlamaEmbeddingModel):
+    qkv_bias = True
+
+
+class Qwen3EmbeddingModel(LlamaEmbeddingModel):
     qk_norm = True

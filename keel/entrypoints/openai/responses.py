@@ -170,3 +170,40 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], toke
         content.append(ChatLogProbContent(token=text, logprob=_floor(sampled.logprob),
                                           bytes=list(text.encode("utf-8")), top_logprobs=top))
     return ChatLogProbs(content=content)
+
+
+# ---- embeddings -------------------------------------------------------------------------------
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    # The floats, or (encoding_format "base64") their little-endian float32 bytes in base64.
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"embd-{random_uuid()}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+def encode_embedding(vector: Any, encoding_format: str) -> list[float] | str:
+    """A pooled vector (a tensor) as the response carries it: a list of floats, or base64 of
+    its little-endian float32 bytes (what the openai client decodes with numpy.frombuffer)."""
+    import base64
+
+    import torch
+
+    vector = vector.detach().to(torch.float32).cpu()
+    if encoding_format == "float":
+        return vector.tolist()
+    return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")

@@ -1,4 +1,5 @@
-"""The two generation routes, completions and chat completions, over AsyncLLM.
+"""The routes over AsyncLLM: completions and chat completions (a generation model), and
+embeddings (a pooling model, served with --runner pooling).
 
 Each request is checked whole (the pydantic model, then every prompt through the engine's
 InputProcessor) before anything is sent: a bad one is a 400 and costs the others nothing. A
@@ -18,6 +19,7 @@ from keel.engine.core_client import EngineDeadError
 from keel.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     UsageInfo,
     random_uuid,
 )
@@ -31,10 +33,16 @@ from keel.entrypoints.openai.responses import (
     CompletionResponseChoice,
     CompletionStreamResponse,
     DeltaMessage,
+    EmbeddingData,
+    EmbeddingResponse,
+    EmbeddingUsage,
     chat_logprobs,
     completion_logprobs,
+    encode_embedding,
 )
-from keel.outputs import CompletionOutput, RequestOutput
+from keel.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from keel.pooling_params import PoolingParams
+from keel.sampling_params import SamplingParams
 
 
 class ServingError(Exception):
@@ -107,18 +115,32 @@ class OpenAIServing:
             f"The model `{model}` does not exist. Served: {self.served_model_names}.",
             status=404, param="model", err_type="NotFoundError")
 
-    def _add(self, prompt: str | dict, params, request_id: str) -> AsyncIterator[RequestOutput]:
+    def check_generates(self) -> None:
+        if self.engine.model_config.runner_type == "pooling":
+            raise ServingError("This model is served for embeddings (--runner pooling): it "
+                               "does not generate text. Use /v1/embeddings, or serve a "
+                               "generation model.", param="model")
+
+    @staticmethod
+    def _param_of(message: str) -> str | None:
+        """The request field an engine error is about."""
+        return "prompt" if "prompt" in message else None
+
+    def _add(self, prompt: str | dict, params: SamplingParams | PoolingParams, request_id: str
+             ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+        add = self.engine.add_pooling_request if isinstance(params, PoolingParams) \
+            else self.engine.add_request
         try:
-            return self.engine.add_request(prompt, params, request_id)
+            return add(prompt, params, request_id)
         except (ValueError, TypeError) as e:
-            raise ServingError(str(e), param="prompt" if "prompt" in str(e) else None) from e
+            raise ServingError(str(e), param=self._param_of(str(e))) from e
         except EngineDeadError as e:
             raise ServingError(str(e), status=503, err_type="ServiceUnavailableError") from e
 
-    def _add_all(self, prompts: list[str | dict], params, base_id: str
-                 ) -> list[AsyncIterator[RequestOutput]]:
+    def _add_all(self, prompts: list[str | dict], params: SamplingParams | PoolingParams,
+                 base_id: str) -> list[AsyncIterator[RequestOutput | PoolingRequestOutput]]:
         """Add every prompt's request, or none: a bad prompt aborts those already added."""
-        streams: list[AsyncIterator[RequestOutput]] = []
+        streams: list[AsyncIterator[RequestOutput | PoolingRequestOutput]] = []
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(self._add(prompt, params, f"{base_id}-{i}"))
@@ -146,6 +168,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest):
         model = self.check_model(request.model)
+        self.check_generates()
         try:
             params = request.to_sampling_params(None)
         except ValueError as e:
@@ -257,6 +280,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         model = self.check_model(request.model)
+        self.check_generates()
         prompt = self._prompt(request)
         try:
             params = request.to_sampling_params(None)
@@ -314,3 +338,39 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
             yield self._stream_error(e)
         yield "data: [DONE]\n\n"
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    @staticmethod
+    def _param_of(message: str) -> str | None:
+        for name in ("dimensions", "truncate_prompt_tokens"):
+            if message.startswith(name):
+                return name
+        return "input"
+
+    async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        """Every input is submitted at once (the engine batches them); the vectors come back
+        in input order."""
+        model = self.check_model(request.model)
+        if self.engine.model_config.runner_type != "pooling":
+            raise ServingError("This model does not embed: it generates text. Serve it with "
+                               "--runner pooling to get embeddings from it.", param="model")
+        try:
+            params = PoolingParams(task="embed", dimensions=request.dimensions,
+                                   truncate_prompt_tokens=request.truncate_prompt_tokens)
+        except ValueError as e:
+            raise ServingError(str(e), param=self._param_of(str(e))) from e
+        request_id = f"embd-{random_uuid()}"
+        streams = self._add_all(request.prompts(), params, request_id)
+        finals: dict[int, PoolingRequestOutput] = {}
+        try:
+            async for i, out in _merge(streams):
+                finals[i] = out
+        except EngineDeadError as e:
+            raise ServingError(str(e), status=503, err_type="ServiceUnavailableError") from e
+        data = [EmbeddingData(index=i, embedding=encode_embedding(finals[i].outputs.data,
+                                                                  request.encoding_format))
+                for i in range(len(streams))]
+        num_tokens = sum(len(out.prompt_token_ids) for out in finals.values())
+        return EmbeddingResponse(id=request_id, model=model, data=data, usage=EmbeddingUsage(
+            prompt_tokens=num_tokens, total_tokens=num_tokens))

@@ -32,6 +32,7 @@ from keel.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from keel.model_executor.layers.quantization import QuantizedWeight, quantized_linear
 
 logger = logging.getLogger(__name__)
 
@@ -165,12 +166,17 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None
         self.packed_upcast = False  # packed_weight is a bfloat16 weight's float32 upcast
+        # Weights kept quantized (keel/model_executor/quantize_model.py); then no dense copy.
+        self.quant: QuantizedWeight | None = None
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for oneDNN on the CPU and release the dense copy."""
-        pack_for_cpu_gemm(self)
+        if self.quant is None:
+            pack_for_cpu_gemm(self)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return quantized_linear(x, self.quant, bias)
         if self.packed_weight is not None:
             return cpu_gemm(self, x, bias)
         return F.linear(x, self.weight, bias)

@@ -15,6 +15,7 @@ from keel.model_executor.layers.linear import (
     default_weight_loader,
     pack_for_cpu_gemm,
 )
+from keel.model_executor.layers.quantization import Int8Weight, quantized_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -29,6 +30,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.tp_rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, embedding_dim, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader
+        # int8 rows (keel/model_executor/quantize_model.py): a GGUF file's quantized table.
+        self.quant: Int8Weight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.tp_size > 1:
@@ -40,6 +43,9 @@ class VocabParallelEmbedding(nn.Module):
         default_weight_loader(param, loaded, "embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:  # [T] -> [T, hidden]: only the looked-up rows widen
+            q = self.quant
+            return q.q[input_ids].to(q.scales.dtype) * q.scales[input_ids, None]
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
@@ -60,11 +66,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self) -> None:
         """Pack for oneDNN on the CPU (see linear.py). A tied weight stays: the embedding
         still looks rows up in it."""
-        pack_for_cpu_gemm(self, release_dense=not self.tied)
+        if self.quant is None:
+            pack_for_cpu_gemm(self, release_dense=not self.tied)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] (only the rows to be sampled) -> [n, vocab] in float32."""
-        if self.packed_weight is not None:
+        if self.quant is not None:
+            logits = quantized_linear(hidden, self.quant)
+        elif self.packed_weight is not None:
             logits = cpu_gemm(self, hidden, None)
         else:
             logits = F.linear(hidden, self.weight)

@@ -1,0 +1,130 @@
+"""Weights that stay quantized in memory: int4 groupwise and int8 per output channel,
+computed by the kernels torch ships for the CPU.
+
+- int4: `_convert_weight_to_int4pack_for_cpu` packs q in [0, 15] ([N, K] -> [N, K / 2]
+  bytes); `_weight_int4pack_mm_for_cpu` computes x @ W^T with W[n, k] = (q - 8) * scale + zero
+  per group of `group_size` along K (scales and zeros [K / G, N, 2] in the compute dtype).
+  GGUF's Q4_1 (`d * q + m` per block of 32) is exactly scale = d, zero = m + 8 d; Q4_0
+  (`d * (q - 8)`) is zero = 0; Q4_K's sub-blocks of 32 (`d sc q - dmin m`) are scale = d sc,
+  zero = 8 d sc - dmin m. The checkpoint's own numbers, no requantization.
+- int8: `_weight_int8pack_mm` with one scale per output row, W[n, k] = q * scale[n].
+  Q8_0 and Q6_K (GGUF blocks of 32 / 16) have no exact int8-per-row form: they are
+  requantized from their float values, |error| <= scale[n] / 2 = max_k |W[n, k]| / 254.
+  So are HF float weights with `quantization="int8"`; `"int4"` groups them with the
+  asymmetric min/max form (|error| <= (max - min) / 30 per group).
+
+A layer whose K is not a multiple of the group is padded with zero columns (and its input
+with zeros) so the kernel's shape rules hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+INT4_GROUP_SIZES = (128, 64, 32)
+_INNER_K_TILES = 8  # the packing's K tile (x 16 elements): K must be a multiple of 128
+
+
+@dataclass
+class Int4Weight:
+    packed: torch.Tensor  # uint8 [N, K_pad / 2]
+    scales_and_zeros: torch.Tensor  # [K_pad / G, N, 2] in the compute dtype
+    group_size: int
+    in_features: int  # K before padding
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_and_zeros.numel() * \
+            self.scales_and_zeros.element_size()
+
+
+@dataclass
+class Int8Weight:
+    q: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # [N] in the compute dtype
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * self.scales.element_size()
+
+
+QuantizedWeight = Int4Weight | Int8Weight
+
+
+def choose_group_size(k: int, wanted: int | None = None) -> int:
+    """The largest of 128, 64, 32 that divides K (else 32: K gets padded)."""
+    if wanted is not None:
+        return wanted
+    return next((g for g in INT4_GROUP_SIZES if k % g == 0), 32)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group: (q [N, K] int32 in 0..15, scale [N, K/G], zero [N, K/G]),
+    W ~= (q - 8) * scale + zero. K must be a multiple of group_size."""
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    q = ((wg - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32)
+    return q.reshape(n, k), scale, lo + 8 * scale
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (q [N, K] int8, scale [N]), W ~= q * scale."""
+    w = w.float()
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-10)
+    q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+              dtype: torch.dtype) -> Int4Weight:
+    """q [N, K] in 0..15, scale/zero [N, K/G] -> the kernel's layout, K padded to a multiple
+    of 128 (the packing's tile) with zero weights."""
+    n, k = q.shape
+    k_pad = -(-k // max(group_size, 16 * _INNER_K_TILES)) * max(group_size, 16 * _INNER_K_TILES)
+    if k_pad != k:
+        extra = (k_pad - k) // group_size
+        # Padded columns: q = 8 with zero = 0 is exactly 0.
+        q = F.pad(q, (0, k_pad - k), value=8)
+        scale = F.pad(scale, (0, extra), value=1.0)
+        zero = F.pad(zero, (0, extra), value=0.0)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
+                                                                _INNER_K_TILES)
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    return Int4Weight(packed, sz, group_size, k, n)
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+    return Int8Weight(q.contiguous(), scale.to(dtype).contiguous(), q.shape[0])
+
+
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ W^T (+ bias) -> [T, N] in x's dtype."""
+    if isinstance(w, Int8Weight):
+        out = torch.ops.aten._weight_int8pack_mm(x, w.q, w.scales)
+    else:
+        k_pad = w.packed.shape[1] * 2
+        if x.shape[-1] != k_pad:
+            x = F.pad(x, (0, k_pad - x.shape[-1]))
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), w.packed,
+                                                         w.group_size, w.scales_and_zeros)
+    return out if bias is None else out + bias
+
+
+def dequantize(w: QuantizedWeight) -> torch.Tensor:
+    """The float32 weight [N, K] the kernel computes with (tests, and rows of a table)."""
+    if isinstance(w, Int8Weight):
+        return w.q.float() * w.scales.float()[:, None]
+    eye = torch.eye(w.in_features, dtype=w.scales_and_zeros.dtype)
+    return quantized_linear(eye, w).float().t().contiguous()

@@ -1,0 +1,137 @@
+"""Quantize a loaded model's weights in place (after loading, before packing for oneDNN).
+
+- `"gguf"` (a .gguf file, the default for one): every linear layer whose GGUF tensors are
+  Q4_0 / Q4_1 / Q4_K takes their own 4-bit blocks (int4, groups of 32; a merged layer such as
+  `qkv_proj` concatenates its parts' rows); a layer from Q8_0 / Q6_K / Q5_* becomes int8 per
+  output row; float tensors stay dense. The LM head and the embedding table follow the
+  file's type for them (int8 when it is quantized: a tied table is stored once, as int8 rows).
+- `"int8"` / `"int4"` (any HF model): linear layers int8 per row / int4 in groups of
+  `group_size` (the largest of 128, 64, 32 that divides K by default); the LM head int8.
+
+Logs which weights are quantized and how many bytes one token reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from keel.model_executor.gguf_loader import INT4_FILE, TYPES_FILE
+from keel.model_executor.gguf_quant import INT4_TYPES, INT8_TYPES
+from keel.model_executor.layers.linear import LinearBase
+from keel.model_executor.layers.quantization import (
+    choose_group_size,
+    pack_int4,
+    pack_int8,
+    quantize_int4,
+    quantize_int8,
+)
+from keel.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+logger = logging.getLogger(__name__)
+METHODS = ("gguf", "int8", "int4")
+MiB = 1 << 20
+
+
+def quantize_model(model: nn.Module, method: str, folder: Path, dtype: torch.dtype,
+                   group_size: int | None = None) -> None:
+    if method not in METHODS:
+        raise ValueError(f"Unknown quantization {method!r}: use one of {METHODS} or None.")
+    kinds: Counter[str] = Counter()
+    types: dict[str, str] = {}
+    int4_file = None
+    if method == "gguf":
+        types = json.loads((folder / TYPES_FILE).read_text())
+        if (folder / INT4_FILE).is_file():
+            from safetensors import safe_open
+
+            int4_file = safe_open(str(folder / INT4_FILE), framework="pt")
+    mapping = getattr(model, "stacked_params_mapping", [])
+    dense_bytes = quant_bytes = 0
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            weight = module.weight
+            dense_bytes += weight.numel() * weight.element_size()
+            if method == "gguf":
+                kind = _gguf_linear(module, name, mapping, types, int4_file, dtype)
+            elif method == "int8":
+                module.quant = pack_int8(*quantize_int8(weight.data), dtype)
+                kind = "int8"
+            else:
+                g = choose_group_size(weight.shape[1], group_size)
+                module.quant = pack_int4(*_int4_padded(weight.data, g), g, dtype)
+                kind = f"int4/g{g}"
+            if module.quant is not None:
+                module.weight = nn.Parameter(weight.new_empty(0), False)
+                quant_bytes += module.quant.nbytes
+            else:
+                quant_bytes += weight.numel() * weight.element_size()
+            kinds[kind] += 1
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, ParallelLMHead):
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        head_bytes = head.weight.numel() * head.weight.element_size()
+        dense_bytes += head_bytes
+        # A GGUF file without an output tensor ties the LM head to the embedding table.
+        head_type = types.get("lm_head.weight") or types.get("model.embed_tokens.weight", "F32")
+        if method != "gguf" or head_type in INT4_TYPES + INT8_TYPES:
+            head.quant = pack_int8(*quantize_int8(head.weight.data), dtype)
+            kinds[f"lm_head int8 (from {head_type if method == 'gguf' else 'float'})"] += 1
+            quant_bytes += head.quant.nbytes
+            if head.tied and isinstance(embed, VocabParallelEmbedding) and method == "gguf":
+                embed.quant = head.quant  # one table: int8 rows for lookups and logits
+                embed.weight = nn.Parameter(embed.weight.new_empty(0), False)
+                head.weight = embed.weight
+        else:
+            quant_bytes += head_bytes
+    logger.info("Quantized weights (%s): %s. A token reads %.1f MiB of weights (dense: %.1f "
+                "MiB).", method, ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items())),
+                quant_bytes / MiB, dense_bytes / MiB)
+
+
+def _int4_padded(w: torch.Tensor, group: int):
+    """quantize_int4 over K padded with zero columns to a multiple of the group."""
+    k = w.shape[1]
+    if k % group:
+        w = torch.nn.functional.pad(w, (0, group - k % group))
+    q, s, z = quantize_int4(w, group)
+    return q[:, :k], s, z
+
+
+def _sources(name: str, mapping: list[tuple[str, str, Any]]) -> list[str]:
+    """HF weight names a keel linear layer was loaded from, in row order."""
+    merged = name.rsplit(".", 1)[-1]
+    parts = [hf for m, hf, _ in mapping if m == merged]
+    return [f"{name.rsplit('.', 1)[0]}.{p}.weight" for p in parts] or [f"{name}.weight"]
+
+
+def _gguf_linear(module: LinearBase, name: str, mapping, types: dict[str, str], int4_file,
+                 dtype: torch.dtype) -> str:
+    if module.tp_size > 1:
+        raise NotImplementedError("GGUF weights kept quantized with tensor_parallel_size > 1 "
+                                  "are not implemented in keel yet: pass quantization=None "
+                                  "(dequantized) or drop tensor parallelism.")
+    sources = _sources(name, mapping)
+    kinds = {types.get(s, "F32") for s in sources}
+    if kinds <= set(INT4_TYPES) and int4_file is not None:
+        parts = [_read_int4(int4_file, s) for s in sources]
+        q, scale, zero = (torch.cat(x, 0) for x in zip(*parts))
+        module.quant = pack_int4(q, scale, zero, 32, dtype)
+        return f"int4/g32 (GGUF {'+'.join(sorted(kinds))})"
+    if kinds <= set(INT4_TYPES + INT8_TYPES):
+        module.quant = pack_int8(*quantize_int8(module.weight.data), dtype)
+        return f"int8 (from GGUF {'+'.join(sorted(kinds))})"
+    return f"dense (GGUF {'+'.join(sorted(kinds))})"
+
+
+def _read_int4(f, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    packed = f.get_tensor(f"{hf_name}.int4_q")  # uint8 [N, K / 2]: two nibbles per byte
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    return (q.to(torch.int32), f.get_tensor(f"{hf_name}.int4_scale"),
+            f.get_tensor(f"{hf_name}.int4_zero"))

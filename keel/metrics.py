@@ -96,6 +96,8 @@ class PrometheusStatLogger:
             if times is None:
                 continue
             n = len(out.new_token_ids)
+            if out.pooling_output is not None:  # an embedding: its prompt is all it computed
+                self.prompt_tokens.inc(times.num_prompt_tokens)
             if n:
                 if times.first_token is None:
                     times.first_token = now

@@ -194,8 +194,11 @@ def test_generation_routes_refuse_a_pooling_model(emb_server, client):
 def test_metrics_count_embedding_requests(emb_server, client):
     stop = 'keel:request_success_total{finished_reason="stop"'
     before = emb_server.metric(stop)
-    client.embeddings.create(model=MODEL_NAME, input=TEXTS[:4])
+    tokens_before = emb_server.metric("keel:prompt_tokens_total")
+    out = client.embeddings.create(model=MODEL_NAME, input=TEXTS[:4])
     assert emb_server.metric(stop) == before + 4
+    assert emb_server.metric("keel:prompt_tokens_total") == tokens_before + \
+        out.usage.prompt_tokens
     assert emb_server.metric("keel:num_requests_running") == 0.0
 
 

@@ -30,6 +30,8 @@ BAD_REQUESTS = [
     (C, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     (C, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     (C, {"prompt": "hi", "top_k": -5}, 400, "top_k"),
+    (C, {"prompt": "hi", "top_k": 2**63}, 400, "top_k"),  # past int64: once crashed the engine
+    (C, {"prompt": "hi", "min_tokens": 2**63}, 400, "min_tokens"),
     (C, {"prompt": "hi", "min_p": 2}, 400, "min_p"),
     (C, {"prompt": "hi", "n": 0}, 400, "n"),
     (C, {"prompt": "hi", "n": 1000}, 400, "n"),

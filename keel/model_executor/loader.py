@@ -99,4 +99,8 @@ def load_model(model_config: ModelConfig) -> nn.Module:
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:
             process()
+    if model_config.quantization_method is not None:
+        from keel.model_executor.quantize_model import choose_rows_per_pass
+
+        choose_rows_per_pass(model)
     return model

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,13 +25,16 @@ from torch import nn
 
 from keel.model_executor.gguf_loader import INT4_FILE, TYPES_FILE
 from keel.model_executor.gguf_quant import INT4_TYPES, INT8_TYPES
-from keel.model_executor.layers.linear import LinearBase
+from keel.model_executor.layers.linear import LinearBase, cpu_gemm
 from keel.model_executor.layers.quantization import (
+    ALL_ROWS,
+    Int4Weight,
     choose_group_size,
     pack_int4,
     pack_int8,
     quantize_int4,
     quantize_int8,
+    quantized_linear,
 )
 from keel.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -59,16 +63,15 @@ def quantize_model(model: nn.Module, method: str, folder: Path, dtype: torch.dty
             weight = module.weight
             dense_bytes += weight.numel() * weight.element_size()
             if method == "gguf":
-                kind = _gguf_linear(module, name, mapping, types, int4_file, dtype)
+                kind = _gguf_linear(module, name, mapping, types, int4_file)
             elif method == "int8":
-                module.quant = pack_int8(*quantize_int8(weight.data), dtype)
+                module.quant = pack_int8(*quantize_int8(weight.data))
                 kind = "int8"
             else:
                 g = choose_group_size(weight.shape[1], group_size)
-                module.quant = pack_int4(*_int4_padded(weight.data, g), g, dtype)
+                module.quant = pack_int4(*_int4_padded(weight.data, g), g)
                 kind = f"int4/g{g}"
-            if module.quant is not None:
-                module.weight = nn.Parameter(weight.new_empty(0), False)
+            if module.quant is not None:  # the dense weight stays until choose_rows_per_pass
                 quant_bytes += module.quant.nbytes
             else:
                 quant_bytes += weight.numel() * weight.element_size()
@@ -81,13 +84,11 @@ def quantize_model(model: nn.Module, method: str, folder: Path, dtype: torch.dty
         # A GGUF file without an output tensor ties the LM head to the embedding table.
         head_type = types.get("lm_head.weight") or types.get("model.embed_tokens.weight", "F32")
         if method != "gguf" or head_type in INT4_TYPES + INT8_TYPES:
-            head.quant = pack_int8(*quantize_int8(head.weight.data), dtype)
+            head.quant = pack_int8(*quantize_int8(head.weight.data))
             kinds[f"lm_head int8 (from {head_type if method == 'gguf' else 'float'})"] += 1
             quant_bytes += head.quant.nbytes
             if head.tied and isinstance(embed, VocabParallelEmbedding) and method == "gguf":
                 embed.quant = head.quant  # one table: int8 rows for lookups and logits
-                embed.weight = nn.Parameter(embed.weight.new_empty(0), False)
-                head.weight = embed.weight
         else:
             quant_bytes += head_bytes
     logger.info("Quantized weights (%s): %s. A token reads %.1f MiB of weights (dense: %.1f "
@@ -111,8 +112,8 @@ def _sources(name: str, mapping: list[tuple[str, str, Any]]) -> list[str]:
     return [f"{name.rsplit('.', 1)[0]}.{p}.weight" for p in parts] or [f"{name}.weight"]
 
 
-def _gguf_linear(module: LinearBase, name: str, mapping, types: dict[str, str], int4_file,
-                 dtype: torch.dtype) -> str:
+def _gguf_linear(module: LinearBase, name: str, mapping, types: dict[str, str],
+                 int4_file) -> str:
     if module.tp_size > 1:
         raise NotImplementedError("GGUF weights kept quantized with tensor_parallel_size > 1 "
                                   "are not implemented in keel yet: pass quantization=None "
@@ -122,10 +123,10 @@ def _gguf_linear(module: LinearBase, name: str, mapping, types: dict[str, str], 
     if kinds <= set(INT4_TYPES) and int4_file is not None:
         parts = [_read_int4(int4_file, s) for s in sources]
         q, scale, zero = (torch.cat(x, 0) for x in zip(*parts))
-        module.quant = pack_int4(q, scale, zero, 32, dtype)
+        module.quant = pack_int4(q, scale, zero, 32)
         return f"int4/g32 (GGUF {'+'.join(sorted(kinds))})"
     if kinds <= set(INT4_TYPES + INT8_TYPES):
-        module.quant = pack_int8(*quantize_int8(module.weight.data), dtype)
+        module.quant = pack_int8(*quantize_int8(module.weight.data))
         return f"int8 (from GGUF {'+'.join(sorted(kinds))})"
     return f"dense (GGUF {'+'.join(sorted(kinds))})"
 
@@ -135,3 +136,101 @@ def _read_int4(f, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
     return (q.to(torch.int32), f.get_tensor(f"{hf_name}.int4_scale"),
             f.get_tensor(f"{hf_name}.int4_zero"))
+
+
+def choose_rows_per_pass(model: nn.Module, rows: tuple[int, ...] = (1, 8, 64)) -> None:
+    """Per layer shape, time the quantized kernel against the dense (oneDNN-packed) GEMM at
+    1, 8 and 64 rows, sweeping over that shape's layers so that the weights come from memory
+    as in a real step, and set each weight's `max_rows`: the largest measured row count where
+    the kernel was not slower. A memory-bound pass (one user) reads 4-8x fewer bytes and the
+    kernel wins; a compute-bound one (many users) goes to the dense GEMM, whose weight is kept
+    only where some pass size needs it (and released where the kernel wins throughout)."""
+    groups: dict[tuple, list[nn.Module]] = {}
+    for m in model.modules():
+        q = getattr(m, "quant", None)
+        if q is not None and getattr(m, "packed_weight", None) is not None:
+            groups.setdefault((type(q).__name__, q.out_features, _in_features(q)), []).append(m)
+    report = []
+    cache = _RowsCache()
+    for (kind, n, k), layers in groups.items():
+        dtype = layers[0].weight.dtype
+        key = f"{kind} {n}x{k} {dtype}"
+        max_rows = cache.get(key)
+        if max_rows is None:
+            layers = layers[:32]
+            inputs = {r: torch.randn(r, k, dtype=dtype) for r in rows}
+            times = {r: (_sweep(layers, inputs[r], True), _sweep(layers, inputs[r], False))
+                     for r in rows}
+            wins = [r for r in rows if times[r][0] <= times[r][1]]
+            max_rows = wins[-1] if wins else 0
+            cache.put(key, max_rows)
+            report.append(f"{kind} {n}x{k}: " + ", ".join(
+                f"{r} rows {tq * 1e3 / len(layers):.2f}/{td * 1e3 / len(layers):.2f} ms"
+                for r, (tq, td) in times.items()) + f" -> kernel up to {max_rows} rows")
+        else:
+            report.append(f"{kind} {n}x{k}: kernel up to {max_rows} rows (measured before)")
+        for m in groups[(kind, n, k)]:
+            if max_rows == rows[-1]:  # the kernel wins at every size: no dense copy
+                m.packed_weight, m.quant.max_rows = None, ALL_ROWS
+            else:
+                m.quant.max_rows = max_rows
+    cache.save()
+    if report:
+        logger.info("Quantized vs dense per layer (kernel/dense): %s", "; ".join(report))
+
+
+class _RowsCache:
+    """The measured crossovers, per CPU, torch build and thread count, in
+    $KEEL_CACHE_DIR/quantized_rows.json: measured once per machine (~1.5 s), as the CPU
+    kernels are built once."""
+
+    def __init__(self) -> None:
+        from keel.model_executor.gguf_loader import _cache_root
+        from keel.utils import cpu_model
+
+        self.path = _cache_root() / "quantized_rows.json"
+        self.prefix = f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} " \
+                      "threads | "
+        try:
+            self.data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.data = {}
+        self.dirty = False
+
+    def get(self, key: str) -> int | None:
+        value = self.data.get(self.prefix + key)
+        return value if isinstance(value, int) else None
+
+    def put(self, key: str, value: int) -> None:
+        self.data[self.prefix + key], self.dirty = value, True
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.data, indent=1))
+            os.replace(tmp, self.path)
+        except OSError as e:  # a read-only home: measure again next time
+            logger.warning("Cannot save %s: %s", self.path, e)
+
+
+def _sweep(layers: list[nn.Module], x: torch.Tensor, quantized: bool) -> float:
+    """Seconds for x through every layer, best of two (the first one warms up)."""
+    import time
+
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for m in layers:
+            if quantized:
+                quantized_linear(x, m.quant)
+            else:
+                cpu_gemm(m, x, None)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _in_features(q) -> int:
+    return q.in_features if isinstance(q, Int4Weight) else q.q.shape[1]

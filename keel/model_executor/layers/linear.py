@@ -32,7 +32,11 @@ from keel.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from keel.model_executor.layers.quantization import QuantizedWeight, quantized_linear
+from keel.model_executor.layers.quantization import (
+    QuantizedWeight,
+    quantized_linear,
+    uses_kernel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -170,12 +174,16 @@ class LinearBase(nn.Module):
         self.quant: QuantizedWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for oneDNN on the CPU and release the dense copy."""
-        if self.quant is None:
+        """Pack the loaded weight for oneDNN on the CPU and release the dense copy (a
+        quantized layer's dense weight too, when it keeps one for large passes)."""
+        if self.weight.numel():
             pack_for_cpu_gemm(self)
 
+    def has_dense(self) -> bool:
+        return self.packed_weight is not None or self.weight.numel() > 0
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quant is not None:
+        if uses_kernel(self.quant, x, self.has_dense()):
             return quantized_linear(x, self.quant, bias)
         if self.packed_weight is not None:
             return cpu_gemm(self, x, bias)

@@ -15,6 +15,15 @@ computed by the kernels torch ships for the CPU.
 
 A layer whose K is not a multiple of the group is padded with zero columns (and its input
 with zeros) so the kernel's shape rules hold.
+
+Both kernels compute with bfloat16 activations and scales (float32 accumulation): torch's CPU
+kernels are vectorized for bfloat16 only, and with float32 activations ran 10-70x slower than
+the dense GEMM here (benchmarks/quantized.py). llama.cpp likewise rounds activations (to 8
+bits) for its quantized dot products. A float32 model's activations are rounded to bfloat16
+on the way in, and the output goes back to float32.
+
+`max_rows`: passes with more rows than this use the layer's dense weight instead, when the
+model keeps one (quantize_model.py measures where the kernels stop winning).
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 INT4_GROUP_SIZES = (128, 64, 32)
+COMPUTE_DTYPE = torch.bfloat16
+ALL_ROWS = 1 << 62
 _INNER_K_TILES = 8  # the packing's K tile (x 16 elements): K must be a multiple of 128
 
 
@@ -38,6 +49,7 @@ class Int4Weight:
     group_size: int
     in_features: int  # K before padding
     out_features: int
+    max_rows: int = ALL_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -50,6 +62,7 @@ class Int8Weight:
     q: torch.Tensor  # int8 [N, K]
     scales: torch.Tensor  # [N] in the compute dtype
     out_features: int
+    max_rows: int = ALL_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -87,9 +100,9 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-              dtype: torch.dtype) -> Int4Weight:
+              dtype: torch.dtype = COMPUTE_DTYPE) -> Int4Weight:
     """q [N, K] in 0..15, scale/zero [N, K/G] -> the kernel's layout, K padded to a multiple
-    of 128 (the packing's tile) with zero weights."""
+    of 128 (the packing's tile) and N to a multiple of 16, with zero weights."""
     n, k = q.shape
     k_pad = -(-k // max(group_size, 16 * _INNER_K_TILES)) * max(group_size, 16 * _INNER_K_TILES)
     if k_pad != k:
@@ -98,27 +111,39 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
         q = F.pad(q, (0, k_pad - k), value=8)
         scale = F.pad(scale, (0, extra), value=1.0)
         zero = F.pad(zero, (0, extra), value=0.0)
+    n_pad = -(-n // 16) * 16  # the packing takes N in multiples of 16: zero rows, cut after
+    if n_pad != n:
+        q = F.pad(q, (0, 0, 0, n_pad - n), value=8)
+        scale = F.pad(scale, (0, 0, 0, n_pad - n), value=1.0)
+        zero = F.pad(zero, (0, 0, 0, n_pad - n), value=0.0)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
                                                                 _INNER_K_TILES)
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
     return Int4Weight(packed, sz, group_size, k, n)
 
 
-def pack_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+def pack_int8(q: torch.Tensor, scale: torch.Tensor,
+              dtype: torch.dtype = COMPUTE_DTYPE) -> Int8Weight:
     return Int8Weight(q.contiguous(), scale.to(dtype).contiguous(), q.shape[0])
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ W^T (+ bias) -> [T, N] in x's dtype."""
+    """x [T, K] @ W^T (+ bias) -> [T, N] in x's dtype (computed with bfloat16 inputs)."""
+    dtype = x.dtype
     if isinstance(w, Int8Weight):
-        out = torch.ops.aten._weight_int8pack_mm(x, w.q, w.scales)
+        xq = x.to(w.scales.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(xq.contiguous(), w.q, w.scales)
     else:
+        xq = x.to(w.scales_and_zeros.dtype)
         k_pad = w.packed.shape[1] * 2
-        if x.shape[-1] != k_pad:
-            x = F.pad(x, (0, k_pad - x.shape[-1]))
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), w.packed,
+        if xq.shape[-1] != k_pad:
+            xq = F.pad(xq, (0, k_pad - xq.shape[-1]))
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(xq.contiguous(), w.packed,
                                                          w.group_size, w.scales_and_zeros)
+        if out.shape[-1] != w.out_features:
+            out = out[..., : w.out_features]
+    out = out.to(dtype)
     return out if bias is None else out + bias
 
 
@@ -128,3 +153,8 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
         return w.q.float() * w.scales.float()[:, None]
     eye = torch.eye(w.in_features, dtype=w.scales_and_zeros.dtype)
     return quantized_linear(eye, w).float().t().contiguous()
+
+
+def uses_kernel(w: QuantizedWeight | None, x: torch.Tensor, has_dense: bool) -> bool:
+    """Whether this pass goes to the quantized kernel (else the dense weight)."""
+    return w is not None and (not has_dense or x.shape[0] <= w.max_rows)

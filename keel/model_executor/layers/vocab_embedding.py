@@ -15,7 +15,7 @@ from keel.model_executor.layers.linear import (
     default_weight_loader,
     pack_for_cpu_gemm,
 )
-from keel.model_executor.layers.quantization import Int8Weight, quantized_linear
+from keel.model_executor.layers.quantization import Int8Weight, quantized_linear, uses_kernel
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,7 +43,7 @@ class VocabParallelEmbedding(nn.Module):
         default_weight_loader(param, loaded, "embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:  # [T] -> [T, hidden]: only the looked-up rows widen
+        if self.quant is not None and not self.weight.numel():  # int8 rows only: widen [T]
             q = self.quant
             return q.q[input_ids].to(q.scales.dtype) * q.scales[input_ids, None]
         if self.tp_size == 1:
@@ -66,12 +66,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self) -> None:
         """Pack for oneDNN on the CPU (see linear.py). A tied weight stays: the embedding
         still looks rows up in it."""
-        if self.quant is None:
+        if self.weight.numel():
             pack_for_cpu_gemm(self, release_dense=not self.tied)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] (only the rows to be sampled) -> [n, vocab] in float32."""
-        if self.quant is not None:
+        has_dense = self.packed_weight is not None or self.weight.numel() > 0
+        if uses_kernel(self.quant, hidden, has_dense):
             logits = quantized_linear(hidden, self.quant)
         elif self.packed_weight is not None:
             logits = cpu_gemm(self, hidden, None)

@@ -1,0 +1,149 @@
+"""Weights kept quantized: each GGUF type's layer against the dequantized float32 computation
+on the same weights, within the bound its format and keel's kernels imply; int8/int4 of HF
+weights; odd shapes; the per-pass choice between the kernel and the dense weight.
+
+The bounds, per output element (x the input row, W the float32 weights gguf dequantizes to):
+- int4 from Q4_0 / Q4_1 / Q4_K (the file's own 4-bit values, no requantization): the kernels
+  compute with bfloat16 inputs, scales and zeros, so each product carries at most ~3 roundings
+  of 2^-8 relative to its group's largest weight: |err| <= 3 * 2^-8 * |x| . gmax(W) (+ float
+  accumulation).
+- int8 per row from Q8_0 / Q6_K, or from float weights: requantization adds |dW| <= s / 2
+  with s = max_k |W[n, k]| / 127, on top of the bfloat16 roundings:
+  |err| <= |x| . (s / 2 + 3 * 2^-8 |W|).
+- int4 of float weights (min/max per group): |dW| <= (max - min) / 30 per group, plus the
+  roundings above.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from keel.model_executor.gguf_quant import int4_groups
+from keel.model_executor.layers.quantization import (
+    ALL_ROWS,
+    dequantize,
+    pack_int4,
+    pack_int8,
+    quantize_int4,
+    quantize_int8,
+    quantized_linear,
+)
+
+EPS = 3 * 2.0**-8
+
+
+def random_gguf(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """A tensor's raw blocks: quantized by gguf where it has a quantizer, else random block
+    bytes with sane fp16 scales (the K-quants)."""
+    rng = np.random.default_rng(seed)
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    if type_name in ("Q4_0", "Q4_1", "Q8_0"):
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
+    if type_name == "Q4_K":
+        blocks[:, 0:2] = np.float16(0.004).reshape(1).view(np.uint8)
+        blocks[:, 2:4] = np.float16(0.002).reshape(1).view(np.uint8)
+    else:  # Q6_K: d is the last two bytes
+        blocks[:, -2:] = np.float16(0.0015).reshape(1).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def group_max(w: torch.Tensor, group: int = 32) -> torch.Tensor:
+    n, k = w.shape
+    return w.abs().reshape(n, k // group, group).amax(-1).repeat_interleave(group, dim=1)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_gguf_layer_against_dequantized_float32(type_name, rows):
+    n, k = 100, 512  # N not a multiple of 64
+    data = random_gguf(type_name, n, k)
+    w = torch.from_numpy(gguf.quants.dequantize(data, getattr(gguf.GGMLQuantizationType,
+                                                              type_name)).reshape(n, k).copy())
+    groups = int4_groups(data, type_name, (n, k))
+    if groups is not None:
+        q, scale, zero = (torch.from_numpy(np.ascontiguousarray(a)) for a in groups)
+        layer = pack_int4(q.to(torch.int32), scale, zero, 32)
+        per_weight = EPS * group_max(w)
+    else:
+        qi, s = quantize_int8(w)
+        layer = pack_int8(qi, s)
+        per_weight = s[:, None] / 2 + EPS * w.abs()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = quantized_linear(x, layer)
+    ref = x @ w.t()
+    bound = x.abs() @ per_weight.t() + 1e-4
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert ((got - ref).abs() <= bound).all(), (got - ref).abs().max()
+    # The bound is not vacuous: the error is far below the output's own size.
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("n,k,group", [(100, 96, 64), (64, 200, 32), (33, 128, 128)])
+def test_int4_of_float_weights_odd_shapes(n, k, group):
+    """K not a multiple of the group (96 with groups of 64; 200 with 32) is padded with zero
+    columns; N not a multiple of 64."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+    k_pad = -(-k // group) * group
+    q, scale, zero = quantize_int4(torch.nn.functional.pad(w, (0, k_pad - k)), group)
+    layer = pack_int4(q[:, :k], scale, zero, group)
+    wq = dequantize(layer)
+    assert wq.shape == (n, k)
+    spread = (scale * 15).repeat_interleave(group, dim=1)[:, :k]  # max - min of the group
+    assert ((wq - w).abs() <= spread / 30 + EPS * group_max(
+        torch.nn.functional.pad(w, (0, k_pad - k)), group)[:, :k] + 1e-6).all()
+    x = torch.randn(5, k)
+    bound = x.abs() @ (spread / 30 + EPS * w.abs() + EPS * spread).t() + 1e-4
+    assert ((quantized_linear(x, layer) - x @ w.t()).abs() <= bound).all()
+
+
+def test_int8_of_float_weights_and_bias():
+    w = torch.randn(70, 96)
+    bias = torch.randn(70)
+    q, s = quantize_int8(w)
+    layer = pack_int8(q, s)
+    x = torch.randn(3, 96)
+    bound = x.abs() @ (s[:, None] / 2 + EPS * w.abs()).t() + 1e-4
+    assert ((quantized_linear(x, layer, bias) - (x @ w.t() + bias)).abs() <= bound).all()
+    assert quantized_linear(x.bfloat16(), layer).dtype == torch.bfloat16
+
+
+def test_each_pass_goes_where_max_rows_says(monkeypatch, hf_model_dir):
+    """A layer with both forms takes the kernel up to max_rows rows and the dense GEMM above;
+    a layer whose dense weight was released always takes the kernel."""
+    from keel.model_executor.layers import linear as linear_mod
+    from keel.model_executor.layers.linear import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(64, 96, dtype=torch.float32)
+    torch.nn.init.normal_(layer.weight)
+    layer.quant = pack_int8(*quantize_int8(layer.weight.data))
+    layer.process_weights_after_loading()  # packs the dense weight too
+    layer.quant.max_rows = 8
+    calls = []
+    real = linear_mod.quantized_linear
+    monkeypatch.setattr(linear_mod, "quantized_linear",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    for rows in (1, 8, 9, 64):
+        layer(torch.randn(rows, 64))
+    assert calls == [1, 8]
+    layer.packed_weight, layer.quant.max_rows = None, ALL_ROWS
+    layer(torch.randn(64, 64))
+    assert calls == [1, 8, 64]
+
+
+def test_quantization_option_errors(hf_model_dir):
+    from keel.config import ModelConfig
+
+    folder = hf_model_dir("llama")
+    with pytest.raises(ValueError, match="needs a .gguf"):
+        ModelConfig(folder, quantization="gguf")
+    with pytest.raises(ValueError, match="Unknown quantization"):
+        ModelConfig(folder, quantization="int3")
+    with pytest.raises(ValueError, match="quantization_group_size"):
+        ModelConfig(folder, quantization="int8", quantization_group_size=64)
+    assert ModelConfig(folder).quantization_method is None  # a HF folder stays dense
+    assert ModelConfig(folder, quantization="int4").quantization_method == "int4"

@@ -27,7 +27,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_gemm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _module: Any = None
 _tried = False

@@ -15,6 +15,8 @@ void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, d
 void rotary_neox_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
                   at::Tensor sin, int64_t head_dim);
 at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor int4_gemm(at::Tensor x, at::Tensor q, at::Tensor scale, at::Tensor zero);
+at::Tensor int8_gemm(at::Tensor x, at::Tensor q, at::Tensor scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention, one query token per row");
@@ -23,4 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm_", &fused_add_rms_norm_, "residual += x; x = RMSNorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "rotate-half RoPE of q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:]");
+  m.def("int4_gemm", &int4_gemm, "x @ W^T for int4 W (groups of 32), at most 4 rows");
+  m.def("int8_gemm", &int8_gemm, "x @ W^T for int8 W (one scale per row), at most 4 rows");
 }

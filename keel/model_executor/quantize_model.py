@@ -149,7 +149,10 @@ def choose_rows_per_pass(model: nn.Module, rows: tuple[int, ...] = (1, 8, 64)) -
     for m in model.modules():
         q = getattr(m, "quant", None)
         if q is not None and getattr(m, "packed_weight", None) is not None:
-            groups.setdefault((type(q).__name__, q.out_features, _in_features(q)), []).append(m)
+            kernel = "keel" if getattr(q, "keel", None) is not None or \
+                getattr(q, "scales_f32", None) is not None else "torch"
+            groups.setdefault((f"{type(q).__name__}/{kernel}", q.out_features,
+                               _in_features(q)), []).append(m)
     report = []
     cache = _RowsCache()
     for (kind, n, k), layers in groups.items():

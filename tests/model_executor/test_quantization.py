@@ -147,3 +147,33 @@ def test_quantization_option_errors(hf_model_dir):
         ModelConfig(folder, quantization="int8", quantization_group_size=64)
     assert ModelConfig(folder).quantization_method is None  # a HF folder stays dense
     assert ModelConfig(folder, quantization="int4").quantization_method == "int4"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_keel_kernels_against_torch_kernels(rows, monkeypatch):
+    """keel's AVX2 kernels (csrc/quant_gemm.cpp; float32 activations and scales) against the
+    float32 computation on the same weights (to float accumulation), and torch's kernels
+    (the fallback) as a second oracle within its bfloat16 bound. 9 rows: split in calls of 4."""
+    from keel.model_executor.layers import quantization as qmod
+
+    assert qmod._keel_ops() is not None, "keel's CPU kernels should build on this machine"
+    n, k = 200, 544  # K a multiple of 32, not of 128
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    q, scale, zero = quantize_int4(w, 32)
+    q8, s8 = quantize_int8(w)
+    keel4, keel8 = pack_int4(q, scale, zero, 32), pack_int8(q8, s8)
+    assert keel4.keel is not None and keel4.packed is None and keel8.scales_f32 is not None
+    monkeypatch.setattr(qmod, "_keel_ops", lambda: None)
+    torch4, torch8 = pack_int4(q, scale, zero, 32), pack_int8(q8, s8)
+    assert torch4.keel is None and torch8.scales_f32 is None
+    monkeypatch.undo()
+    x = torch.randn(rows, k)
+    w4 = ((q.reshape(n, -1, 32) - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
+    w8 = q8.float() * s8[:, None]
+    for keel_w, torch_w, wf in ((keel4, torch4, w4), (keel8, torch8, w8)):
+        ref = x @ wf.t()
+        got = quantized_linear(x, keel_w)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        assert (got - ref).abs().max() <= 1e-4 * (x.abs() @ wf.abs().t()).max()
+        bound = x.abs() @ (EPS * (group_max(w) + wf.abs())).t() + 1e-4
+        assert ((quantized_linear(x, torch_w) - ref).abs() <= bound).all()

@@ -16,11 +16,13 @@ computed by the kernels torch ships for the CPU.
 A layer whose K is not a multiple of the group is padded with zero columns (and its input
 with zeros) so the kernel's shape rules hold.
 
-Both kernels compute with bfloat16 activations and scales (float32 accumulation): torch's CPU
-kernels are vectorized for bfloat16 only, and with float32 activations ran 10-70x slower than
-the dense GEMM here (benchmarks/quantized.py). llama.cpp likewise rounds activations (to 8
-bits) for its quantized dot products. A float32 model's activations are rounded to bfloat16
-on the way in, and the output goes back to float32.
+keel's own kernels (csrc/quant_gemm.cpp, AVX2 + FMA: int4 in groups of 32 and int8 per row,
+float32 activations and scales, up to 4 rows a call) run these where they are built: at one
+row they were 2-2.6x faster than torch's int4 kernel and 1.5x its int8 one here. Otherwise
+torch's kernels compute with bfloat16 activations and scales (float32 accumulation): they
+are vectorized for bfloat16 only, and with float32 activations ran 10-70x slower than the
+dense GEMM here. A float32 model's activations are then rounded to bfloat16 on the way in,
+and the output goes back to float32.
 
 `max_rows`: passes with more rows than this use the layer's dense weight instead, when the
 model keeps one (quantize_model.py measures where the kernels stop winning).
@@ -44,17 +46,22 @@ _INNER_K_TILES = 8  # the packing's K tile (x 16 elements): K must be a multiple
 
 @dataclass
 class Int4Weight:
-    packed: torch.Tensor  # uint8 [N, K_pad / 2]
-    scales_and_zeros: torch.Tensor  # [K_pad / G, N, 2] in the compute dtype
+    """torch's packed form, or (groups of 32, keel's kernels built) keel's: `keel` =
+    (q as two nibbles per byte [N, K32 / 2], scale [N, K32 / 32], zero [N, K32 / 32]) in
+    float32, K32 = K rounded up to 32."""
+
+    packed: torch.Tensor | None  # uint8 [N_pad, K_pad / 2]
+    scales_and_zeros: torch.Tensor | None  # [K_pad / G, N_pad, 2] in the compute dtype
     group_size: int
     in_features: int  # K before padding
     out_features: int
     max_rows: int = ALL_ROWS
+    keel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scales_and_zeros.numel() * \
-            self.scales_and_zeros.element_size()
+        tensors = self.keel if self.keel is not None else (self.packed, self.scales_and_zeros)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -63,6 +70,7 @@ class Int8Weight:
     scales: torch.Tensor  # [N] in the compute dtype
     out_features: int
     max_rows: int = ALL_ROWS
+    scales_f32: torch.Tensor | None = None  # [N] float32, for keel's kernel
 
     @property
     def nbytes(self) -> int:
@@ -102,8 +110,18 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
               dtype: torch.dtype = COMPUTE_DTYPE) -> Int4Weight:
     """q [N, K] in 0..15, scale/zero [N, K/G] -> the kernel's layout, K padded to a multiple
-    of 128 (the packing's tile) and N to a multiple of 16, with zero weights."""
+    of 128 (the packing's tile) and N to a multiple of 16, with zero weights. Groups of 32
+    go to keel's kernel when it is built (float32, no padding of N, K to 32)."""
     n, k = q.shape
+    if group_size == 32 and _keel_ops() is not None:
+        k32 = -(-k // 32) * 32
+        if k32 != k:
+            q = F.pad(q, (0, k32 - k), value=8)
+        q = q.to(torch.uint8)
+        pairs = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+        keel = (pairs, scale[:, : k32 // 32].float().contiguous(),
+                zero[:, : k32 // 32].float().contiguous())
+        return Int4Weight(None, None, group_size, k, n, keel=keel)
     k_pad = -(-k // max(group_size, 16 * _INNER_K_TILES)) * max(group_size, 16 * _INNER_K_TILES)
     if k_pad != k:
         extra = (k_pad - k) // group_size
@@ -124,14 +142,46 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor,
               dtype: torch.dtype = COMPUTE_DTYPE) -> Int8Weight:
-    return Int8Weight(q.contiguous(), scale.to(dtype).contiguous(), q.shape[0])
+    f32 = scale.float().contiguous() if _keel_ops() is not None else None
+    return Int8Weight(q.contiguous(), scale.to(dtype).contiguous(), q.shape[0], scales_f32=f32)
+
+
+def _keel_ops():
+    """keel's compiled kernels when they include the quantized GEMMs (AVX2 + FMA CPUs)."""
+    from keel.cpu_ops import get_cpu_ops
+
+    ops = get_cpu_ops()
+    return ops if ops is not None and hasattr(ops, "int4_gemm") else None
+
+
+KEEL_MAX_ROWS = 4  # rows per call of keel's kernels (larger passes are split)
+
+
+def _keel_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """keel's kernels (csrc/quant_gemm.cpp): float32 in and out, 4 rows per call."""
+    ops = _keel_ops()
+    xf = x.float().contiguous()
+    if isinstance(w, Int8Weight):
+        fn, args = ops.int8_gemm, (w.q, w.scales_f32)
+    else:
+        fn, args = ops.int4_gemm, w.keel
+        k32 = w.keel[0].shape[1] * 2
+        if xf.shape[-1] != k32:
+            xf = F.pad(xf, (0, k32 - xf.shape[-1]))
+    if xf.shape[0] <= KEEL_MAX_ROWS:
+        return fn(xf, *args)
+    return torch.cat([fn(xf[i : i + KEEL_MAX_ROWS], *args)
+                      for i in range(0, xf.shape[0], KEEL_MAX_ROWS)])
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ W^T (+ bias) -> [T, N] in x's dtype (computed with bfloat16 inputs)."""
+    """x [T, K] @ W^T (+ bias) -> [T, N] in x's dtype (float32 in keel's kernels, else
+    bfloat16 inputs in torch's)."""
     dtype = x.dtype
-    if isinstance(w, Int8Weight):
+    if (w.keel if isinstance(w, Int4Weight) else w.scales_f32) is not None:
+        out = _keel_linear(x, w)
+    elif isinstance(w, Int8Weight):
         xq = x.to(w.scales.dtype)
         out = torch.ops.aten._weight_int8pack_mm(xq.contiguous(), w.q, w.scales)
     else:
@@ -151,7 +201,7 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
     """The float32 weight [N, K] the kernel computes with (tests, and rows of a table)."""
     if isinstance(w, Int8Weight):
         return w.q.float() * w.scales.float()[:, None]
-    eye = torch.eye(w.in_features, dtype=w.scales_and_zeros.dtype)
+    eye = torch.eye(w.in_features, dtype=torch.bfloat16 if w.keel is None else torch.float32)
     return quantized_linear(eye, w).float().t().contiguous()
 
 

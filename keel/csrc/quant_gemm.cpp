@@ -1,0 +1,180 @@
+// Weight-only quantized matmul for the few rows of a decode pass: each weight byte is read
+// once per pass and widened in registers; float32 activations and scales throughout.
+//
+//   int4_gemm(x [M, K] f32, q u8 [N, K/2], scale [N, K/32] f32, zero [N, K/32] f32) -> [M, N]
+//       W[n, k] = (q[n, k] - 8) * scale[n, k / 32] + zero[n, k / 32], where q[n, 2j] is
+//       byte j's low nibble and q[n, 2j + 1] its high nibble.
+//   int8_gemm(x [M, K] f32, q i8 [N, K], scale [N] f32) -> [M, N]:  W[n, k] = q[n, k] scale[n]
+//
+// M <= 4 (the caller splits larger passes). Work is split over output rows n: each task
+// streams its rows of q once. Per group of 32 the int4 dot product is
+//   scale * sum_i q_i x_i + (zero - 8 scale) * sum_i x_i,
+// with sum_i x_i computed once per pass, and x deinterleaved per group (16 even elements,
+// then 16 odd) so that the low and high nibbles of 16 bytes meet their inputs in order.
+// AVX2 (+FMA) intrinsics: GCC's generic vectors widened bytes to floats one lane at a time.
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <vector>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "quant_gemm.cpp needs AVX2 and FMA (keel/cpu_ops.py builds it only where they exist)"
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 4;
+
+void check_x(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quantized gemm: x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "quantized gemm: 1 to ", kMaxRows,
+              " rows per call");
+  TORCH_CHECK(x.size(1) == k, "quantized gemm: x has ", x.size(1), " columns, weight ", k);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 bytes (unsigned / signed) -> 8 floats
+inline __m256 widen_u8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+inline __m256 widen_i8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+
+template <int M>
+void int4_rows(const uint8_t* q, const float* scale, const float* zero, const float* xd,
+               const float* xsum, float* out, int64_t n, int64_t k) {
+  const int64_t groups = k / 32;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const uint8_t* qn = q + row * (k / 2);
+      const float* sn = scale + row * groups;
+      const float* zn = zero + row * groups;
+      __m256 acc[M];
+      float acc_zero[M];
+      for (int r = 0; r < M; ++r) {
+        acc[r] = _mm256_setzero_ps();
+        acc_zero[r] = 0.f;
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * 16));
+        const __m128i lo = _mm_and_si128(bytes, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+        const __m256 s = _mm256_set1_ps(sn[g]);
+        // q of the group: even elements 0-7, 8-15; odd 0-7, 8-15. The scale is applied
+        // once to the group's dot product, not to each weight.
+        const __m256 w0 = widen_u8(lo);
+        const __m256 w1 = widen_u8(_mm_unpackhi_epi64(lo, lo));
+        const __m256 w2 = widen_u8(hi);
+        const __m256 w3 = widen_u8(_mm_unpackhi_epi64(hi, hi));
+        const float offset = zn[g] - 8.f * sn[g];
+        for (int r = 0; r < M; ++r) {
+          const float* xg = xd + (r * groups + g) * 32;
+          __m256 d = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+          d = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), d);
+          d = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), d);
+          d = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), d);
+          acc[r] = _mm256_fmadd_ps(d, s, acc[r]);
+          acc_zero[r] += offset * xsum[r * groups + g];
+        }
+      }
+      for (int r = 0; r < M; ++r) out[r * n + row] = hsum8(acc[r]) + acc_zero[r];
+    }
+  });
+}
+
+template <int M>
+void int8_rows(const int8_t* q, const float* scale, const float* x, float* out, int64_t n,
+               int64_t k) {
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int8_t* qn = q + row * k;
+      __m256 acc[M];
+      float tail[M];
+      for (int r = 0; r < M; ++r) {
+        acc[r] = _mm256_setzero_ps();
+        tail[r] = 0.f;
+      }
+      int64_t i = 0;
+      for (; i + 16 <= k; i += 16) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + i));
+        const __m256 w0 = widen_i8(b);
+        const __m256 w1 = widen_i8(_mm_unpackhi_epi64(b, b));
+        for (int r = 0; r < M; ++r) {
+          const float* xr = x + r * k + i;
+          acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8),
+                                   _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]));
+        }
+      }
+      for (; i < k; ++i)
+        for (int r = 0; r < M; ++r) tail[r] += qn[i] * x[r * k + i];
+      for (int r = 0; r < M; ++r) out[r * n + row] = (hsum8(acc[r]) + tail[r]) * scale[row];
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor int4_gemm(at::Tensor x, at::Tensor q, at::Tensor scale, at::Tensor zero) {
+  const int64_t n = q.size(0), k = q.size(1) * 2, groups = k / 32, m = x.size(0);
+  TORCH_CHECK(k % 32 == 0 && q.scalar_type() == at::kByte && q.is_contiguous(),
+              "int4_gemm: q must be contiguous uint8 [N, K/2] with K a multiple of 32");
+  TORCH_CHECK(scale.is_contiguous() && zero.is_contiguous() &&
+              scale.scalar_type() == at::kFloat && zero.scalar_type() == at::kFloat &&
+              scale.numel() == n * groups && zero.numel() == n * groups,
+              "int4_gemm: scale and zero must be contiguous float32 [N, K/32]");
+  check_x(x, k);
+  std::vector<float> xd(m * k), xsum(m * groups);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* src = xp + r * k + g * 32;
+      float* dst = xd.data() + (r * groups + g) * 32;
+      float s = 0.f;
+      for (int i = 0; i < 16; ++i) {
+        dst[i] = src[2 * i];
+        dst[16 + i] = src[2 * i + 1];
+        s += src[2 * i] + src[2 * i + 1];
+      }
+      xsum[r * groups + g] = s;
+    }
+  auto out = at::empty({m, n}, x.options());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* zp = zero.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (m) {  // the row count as a template argument: accumulators stay in registers
+    case 1: int4_rows<1>(qp, sp, zp, xd.data(), xsum.data(), op, n, k); break;
+    case 2: int4_rows<2>(qp, sp, zp, xd.data(), xsum.data(), op, n, k); break;
+    case 3: int4_rows<3>(qp, sp, zp, xd.data(), xsum.data(), op, n, k); break;
+    default: int4_rows<4>(qp, sp, zp, xd.data(), xsum.data(), op, n, k); break;
+  }
+  return out;
+}
+
+at::Tensor int8_gemm(at::Tensor x, at::Tensor q, at::Tensor scale) {
+  const int64_t n = q.size(0), k = q.size(1), m = x.size(0);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(),
+              "int8_gemm: q must be contiguous int8 [N, K]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
+              "int8_gemm: scale must be contiguous float32 [N]");
+  check_x(x, k);
+  auto out = at::empty({m, n}, x.options());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (m) {
+    case 1: int8_rows<1>(qp, sp, xp, op, n, k); break;
+    case 2: int8_rows<2>(qp, sp, xp, op, n, k); break;
+    case 3: int8_rows<3>(qp, sp, xp, op, n, k); break;
+    default: int8_rows<4>(qp, sp, xp, op, n, k); break;
+  }
+  return out;
+}

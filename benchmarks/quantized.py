@@ -53,6 +53,9 @@ if args["batch"] == 1:
 else:
     prompts = [{"prompt_token_ids": ids[: len(ids) - (i % 7)]} for i in range(args["batch"])]
     sp = SamplingParams(temperature=0, max_tokens=args["tokens"], ignore_eos=True)
+    # Warm-up at this batch size too (oneDNN makes its kernels for each new shape).
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     res["tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)

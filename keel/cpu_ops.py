@@ -7,6 +7,10 @@
 - `rms_norm`, `fused_add_rms_norm_`, `rotary_neox_`, `silu_and_mul` (csrc/fused_ops.cpp): the
   decoder layer's elementwise steps, one op each instead of 5-15 torch ops, rounding where
   those torch expressions round.
+- `int4_gemm`, `int8_gemm` (csrc/quant_gemm.cpp, AVX2 + FMA; `quant_gemm_available()` says
+  whether this build has them): weight-only quantized matmul for passes of at most 4 rows
+  (one user's decode), float32 throughout; torch's kernels are the fallback and the tests'
+  oracle (keel/model_executor/layers/quantization.py).
 
 They are built with torch's JIT extension builder the first time they are needed (~15 s on 2
 cores: the sources include ATen's core headers, not all of torch/extension.h; cached under

@@ -17,6 +17,7 @@ void rotary_neox_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor c
 at::Tensor silu_and_mul(at::Tensor x);
 at::Tensor int4_gemm(at::Tensor x, at::Tensor q, at::Tensor scale, at::Tensor zero);
 at::Tensor int8_gemm(at::Tensor x, at::Tensor q, at::Tensor scale);
+bool quant_gemm_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention, one query token per row");
@@ -27,4 +28,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:]");
   m.def("int4_gemm", &int4_gemm, "x @ W^T for int4 W (groups of 32), at most 4 rows");
   m.def("int8_gemm", &int8_gemm, "x @ W^T for int8 W (one scale per row), at most 4 rows");
+  m.def("quant_gemm_available", &quant_gemm_available, "built with AVX2 + FMA");
 }

@@ -15,13 +15,13 @@
 #include "vec.h"
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <vector>
 
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "quant_gemm.cpp needs AVX2 and FMA (keel/cpu_ops.py builds it only where they exist)"
-#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+bool quant_gemm_available() { return true; }
 
 namespace {
 
@@ -178,3 +178,17 @@ at::Tensor int8_gemm(at::Tensor x, at::Tensor q, at::Tensor scale) {
   }
   return out;
 }
+
+#else  // no AVX2: keel/model_executor/layers/quantization.py uses torch's kernels instead
+
+bool quant_gemm_available() { return false; }
+
+at::Tensor int4_gemm(at::Tensor, at::Tensor, at::Tensor, at::Tensor) {
+  TORCH_CHECK(false, "int4_gemm needs AVX2 and FMA");
+}
+
+at::Tensor int8_gemm(at::Tensor, at::Tensor, at::Tensor) {
+  TORCH_CHECK(false, "int8_gemm needs AVX2 and FMA");
+}
+
+#endif

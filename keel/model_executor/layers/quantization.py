@@ -151,7 +151,7 @@ def _keel_ops():
     from keel.cpu_ops import get_cpu_ops
 
     ops = get_cpu_ops()
-    return ops if ops is not None and hasattr(ops, "int4_gemm") else None
+    return ops if ops is not None and ops.quant_gemm_available() else None
 
 
 KEEL_MAX_ROWS = 4  # rows per call of keel's kernels (larger passes are split)

@@ -1,6 +1,6 @@
 """ModelRunner: owns the persistent batch, the input buffers, and the call into the model.
 
-One pass is two calls (the seed's steps 4-5):
+One pass is two calls (the seed's steps 4-5; the second lives in keel/worker/sample_step.py):
   execute_model(scheduler_output)  _update_states (diff) -> _prepare_inputs (layout) ->
                                    attention metadata -> forward in set_forward_context ->
                                    logits of the rows at logits_indices -> park, return None
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -24,22 +23,18 @@ from keel.attention import build_attention_metadata, set_forward_context
 from keel.attention.backends.torch_paged import PagedAttentionMetadata
 from keel.attention.layer import allocate_kv_caches
 from keel.config import EngineConfig
-from keel.core.sched_output import GrammarOutput, SchedulerOutput
+from keel.core.sched_output import SchedulerOutput
 from keel.model_executor.layers.pooler import Pooler
 from keel.model_executor.loader import load_model
 from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, IntermediateTensors, ModelRunnerOutput
-from keel.sample.rejection_sampler import SpecDecodeMetadata, rejection_sample
+from keel.sample.rejection_sampler import SpecDecodeMetadata
 from keel.sample.sampler import Sampler
 from keel.trace.recorder import RunnerTrace
 from keel.worker.buffers import CpuGpuBuffer
 from keel.worker.grammar_bitmask import BatchGrammarBitmask
 from keel.worker.input_batch import CachedRequestState, InputBatch
-from keel.worker.prompt_logprobs import get_prompt_logprobs_dict
-from keel.worker.spec_decode import (
-    RunnerSpecDecode,
-    append_token_lists,
-    calc_spec_decode_metadata,
-)
+from keel.worker.sample_step import SampleTokensMixin
+from keel.worker.spec_decode import RunnerSpecDecode, calc_spec_decode_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +50,7 @@ class ExecuteModelState(NamedTuple):
     sample_hidden_states: torch.Tensor  # [num_reqs, hidden]
 
 
-class ModelRunner:
+class ModelRunner(SampleTokensMixin):
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
@@ -392,99 +387,3 @@ class ModelRunner:
         if deferred_state_corrections_fn is not None:
             deferred_state_corrections_fn()
         return None
-
-    def _pool(self, hidden_states: torch.Tensor, num_reqs: int) -> ModelRunnerOutput:
-        """Pool each row whose prompt is complete after this pass (keel/model_executor/layers/
-        pooler.py); rows still prefilling get None and go on next pass."""
-        batch = self.input_batch
-        finished = ~self.discard_request_mask.np[:num_reqs]
-        default = self.pooler.config.normalize
-        normalize = np.array([p.task == "embed" and (default if p.normalize is None
-                                                     else p.normalize)
-                              for p in (self.requests[r].pooling_params
-                                        for r in batch.req_ids)], dtype=bool)
-        pooled = self.pooler(hidden_states, self.query_start_loc.np[: num_reqs + 1], finished,
-                             normalize)
-        trace = None
-        if self.trace is not None:
-            self.trace.after_forward()
-            trace = self.trace.finish()
-        return ModelRunnerOutput(req_ids=list(batch.req_ids),
-                                 req_id_to_index=dict(batch.req_id_to_index),
-                                 sampled_token_ids=[[] for _ in range(num_reqs)],
-                                 pooler_output=pooled, trace=trace)
-
-    def _apply_grammar_bitmask(self, logits: torch.Tensor, grammar_output: GrammarOutput) -> None:
-        """Mask the logits of the constrained rows (keel/worker/grammar_bitmask.py)."""
-        batch = self.input_batch
-        self._grammar_bitmask.apply(logits, grammar_output, batch.req_id_to_index,
-                                    batch.num_reqs)
-
-    # ---- step 5: the second call ------------------------------------------------------------
-
-    @torch.inference_mode()
-    def sample_tokens(self, grammar_output: GrammarOutput | None = None
-                      ) -> ModelRunnerOutput | None:
-        if self.execute_model_state is None:
-            return None  # nothing parked (e.g. a rank that returned hidden states)
-        sample_start = time.monotonic_ns() / 1000.0 if self.trace is not None else None
-        state = self.execute_model_state
-        self.execute_model_state = None
-        spec = state.spec_decode_metadata
-        logits = state.logits
-        if spec is not None:
-            # One row per request for the Sampler (the bonus position: all a request without
-            # drafts has); the draft targets go to the rejection sampler.
-            target_logits = logits[spec.target_logits_indices]
-            logits = logits[spec.bonus_logits_indices]
-        if grammar_output is not None:
-            self._apply_grammar_bitmask(logits, grammar_output)
-
-        batch = self.input_batch
-        num_reqs = batch.num_reqs
-        discard = self.discard_request_mask.np[:num_reqs]
-        meta = batch.sampling_metadata
-        if meta.generators and discard.any():
-            # A seeded request's generator must only advance for tokens it keeps, or its
-            # output would depend on how its prompt was chunked (or whether it was preempted).
-            kept = {row: g for row, g in meta.generators.items() if not discard[row]}
-            meta = dataclasses.replace(meta, generators=kept)
-        sampler_output = self.sampler(logits, meta)
-        kept_rows = np.flatnonzero(~discard)
-        req_ids = batch.req_ids  # exactly the batch, in row order, after condense()
-        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
-        if spec is None:
-            sampled_np = sampler_output.sampled_token_ids.cpu().numpy()  # [num_reqs]
-            kept_tokens = sampled_np[kept_rows]
-            batch.append_sampled_tokens(kept_rows, kept_tokens)
-            for row, token in zip(kept_rows.tolist(), kept_tokens.tolist()):
-                self.requests[req_ids[row]].output_token_ids.append(token)
-                sampled_token_ids[row] = [token]
-        else:
-            tokens, num_accepted = rejection_sample(target_logits, spec,
-                                                    sampler_output.sampled_token_ids.cpu(), meta)
-            append_token_lists(batch, kept_rows, tokens)
-            for row in kept_rows.tolist():
-                self.requests[req_ids[row]].output_token_ids.extend(tokens[row])
-                sampled_token_ids[row] = tokens[row]
-            self.spec_decode.num_accepted = num_accepted
-        # Drafts for the next step, from the updated rows (None without a drafter).
-        spec_token_ids, num_draft_tokens = self.spec_decode.propose(
-            batch, self.requests, kept_rows, self.num_scheduled_tokens_np, spec)
-        prompt_logprobs_dict = {}
-        if batch.num_prompt_logprobs:  # only requests that asked pay for this
-            prompt_logprobs_dict = get_prompt_logprobs_dict(
-                batch, self.requests, self.query_start_loc.np, self.num_scheduled_tokens_np,
-                self.model.compute_logits, state.hidden_states,
-            )
-        return ModelRunnerOutput(
-            req_ids=list(req_ids),
-            req_id_to_index=dict(batch.req_id_to_index),
-            sampled_token_ids=sampled_token_ids,
-            logprobs=sampler_output.logprobs,
-            prompt_logprobs_dict=prompt_logprobs_dict,
-            spec_token_ids=spec_token_ids,
-            num_draft_tokens=num_draft_tokens,
-            trace=None if self.trace is None else self.trace.finish(sampled_token_ids,
-                                                                    sample_start),
-        )

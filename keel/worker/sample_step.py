@@ -1,0 +1,121 @@
+"""How a pass's output is made, after the forward pass: `ModelRunner.sample_tokens`, the
+second call of a pass (the seed's step 5) with the grammar bitmask it applies, and, for a
+pooling model, `ModelRunner._pool`, which `execute_model` returns directly (no second call).
+A mixin of ModelRunner (keel/worker/model_runner.py), which holds the state these read: the
+parked `execute_model_state`, the persistent batch, the sampler, the pooler.
+
+  sample_tokens(grammar_output)    unpark -> grammar bitmask onto the constrained rows ->
+                                   sample -> drop rows still prefilling -> output
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+
+from keel.core.sched_output import GrammarOutput
+from keel.outputs import ModelRunnerOutput
+from keel.sample.rejection_sampler import rejection_sample
+from keel.worker.prompt_logprobs import get_prompt_logprobs_dict
+from keel.worker.spec_decode import append_token_lists
+
+
+class SampleTokensMixin:
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, grammar_output: GrammarOutput) -> None:
+        """Mask the logits of the constrained rows (keel/worker/grammar_bitmask.py)."""
+        batch = self.input_batch
+        self._grammar_bitmask.apply(logits, grammar_output, batch.req_id_to_index,
+                                    batch.num_reqs)
+
+    # ---- step 5: the second call ------------------------------------------------------------
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None
+                      ) -> ModelRunnerOutput | None:
+        if self.execute_model_state is None:
+            return None  # nothing parked (e.g. a rank that returned hidden states)
+        sample_start = time.monotonic_ns() / 1000.0 if self.trace is not None else None
+        state = self.execute_model_state
+        self.execute_model_state = None
+        spec = state.spec_decode_metadata
+        logits = state.logits
+        if spec is not None:
+            # One row per request for the Sampler (the bonus position: all a request without
+            # drafts has); the draft targets go to the rejection sampler.
+            target_logits = logits[spec.target_logits_indices]
+            logits = logits[spec.bonus_logits_indices]
+        if grammar_output is not None:
+            self._apply_grammar_bitmask(logits, grammar_output)
+
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        discard = self.discard_request_mask.np[:num_reqs]
+        meta = batch.sampling_metadata
+        if meta.generators and discard.any():
+            # A seeded request's generator must only advance for tokens it keeps, or its
+            # output would depend on how its prompt was chunked (or whether it was preempted).
+            kept = {row: g for row, g in meta.generators.items() if not discard[row]}
+            meta = dataclasses.replace(meta, generators=kept)
+        sampler_output = self.sampler(logits, meta)
+        kept_rows = np.flatnonzero(~discard)
+        req_ids = batch.req_ids  # exactly the batch, in row order, after condense()
+        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+        if spec is None:
+            sampled_np = sampler_output.sampled_token_ids.cpu().numpy()  # [num_reqs]
+            kept_tokens = sampled_np[kept_rows]
+            batch.append_sampled_tokens(kept_rows, kept_tokens)
+            for row, token in zip(kept_rows.tolist(), kept_tokens.tolist()):
+                self.requests[req_ids[row]].output_token_ids.append(token)
+                sampled_token_ids[row] = [token]
+        else:
+            tokens, num_accepted = rejection_sample(target_logits, spec,
+                                                    sampler_output.sampled_token_ids.cpu(), meta)
+            append_token_lists(batch, kept_rows, tokens)
+            for row in kept_rows.tolist():
+                self.requests[req_ids[row]].output_token_ids.extend(tokens[row])
+                sampled_token_ids[row] = tokens[row]
+            self.spec_decode.num_accepted = num_accepted
+        # Drafts for the next step, from the updated rows (None without a drafter).
+        spec_token_ids, num_draft_tokens = self.spec_decode.propose(
+            batch, self.requests, kept_rows, self.num_scheduled_tokens_np, spec)
+        prompt_logprobs_dict = {}
+        if batch.num_prompt_logprobs:  # only requests that asked pay for this
+            prompt_logprobs_dict = get_prompt_logprobs_dict(
+                batch, self.requests, self.query_start_loc.np, self.num_scheduled_tokens_np,
+                self.model.compute_logits, state.hidden_states,
+            )
+        return ModelRunnerOutput(
+            req_ids=list(req_ids),
+            req_id_to_index=dict(batch.req_id_to_index),
+            sampled_token_ids=sampled_token_ids,
+            logprobs=sampler_output.logprobs,
+            prompt_logprobs_dict=prompt_logprobs_dict,
+            spec_token_ids=spec_token_ids,
+            num_draft_tokens=num_draft_tokens,
+            trace=None if self.trace is None else self.trace.finish(sampled_token_ids,
+                                                                    sample_start),
+        )
+
+    def _pool(self, hidden_states: torch.Tensor, num_reqs: int) -> ModelRunnerOutput:
+        """Pool each row whose prompt is complete after this pass (keel/model_executor/layers/
+        pooler.py); rows still prefilling get None and go on next pass."""
+        batch = self.input_batch
+        finished = ~self.discard_request_mask.np[:num_reqs]
+        default = self.pooler.config.normalize
+        normalize = np.array([p.task == "embed" and (default if p.normalize is None
+                                                     else p.normalize)
+                              for p in (self.requests[r].pooling_params
+                                        for r in batch.req_ids)], dtype=bool)
+        pooled = self.pooler(hidden_states, self.query_start_loc.np[: num_reqs + 1], finished,
+                             normalize)
+        trace = None
+        if self.trace is not None:
+            self.trace.after_forward()
+            trace = self.trace.finish()
+        return ModelRunnerOutput(req_ids=list(batch.req_ids),
+                                 req_id_to_index=dict(batch.req_id_to_index),
+                                 sampled_token_ids=[[] for _ in range(num_reqs)],
+                                 pooler_output=pooled, trace=trace)

@@ -1,24 +1,26 @@
 // Weight-only quantized matmul for the few rows of a decode pass: each weight byte is read
 // once per pass and widened in registers; float32 activations and scales throughout.
 //
-//   int4_gemm(x [M, K] f32, q u8 [N, K/2], scale [N, K/32] f32, zero [N, K/32] f32) -> [M, N]
-//       W[n, k] = (q[n, k] - 8) * scale[n, k / 32] + zero[n, k / 32], where q[n, 2j] is
-//       byte j's low nibble and q[n, 2j + 1] its high nibble.
+//   int4_gemm(x [M, K] f32, q u8 [N, K/2], d [N, K/32], m [N, K/32]) -> [M, N] f32
+//       W[n, k] = q[n, k] * d[n, k / 32] + m[n, k / 32] (GGUF's Q4_1 form), where q[n, 2j]
+//       is byte j's low nibble and q[n, 2j + 1] its high nibble; d and m both float32, or
+//       both float16 (half the bytes: what a Q4_0 / Q4_1 file stores).
 //   int8_gemm(x [M, K] f32, q i8 [N, K], scale [N] f32) -> [M, N]:  W[n, k] = q[n, k] scale[n]
 //
 // M <= 4 (the caller splits larger passes). Work is split over output rows n: each task
 // streams its rows of q once. Per group of 32 the int4 dot product is
-//   scale * sum_i q_i x_i + (zero - 8 scale) * sum_i x_i,
+//   d * sum_i q_i x_i + m * sum_i x_i,
 // with sum_i x_i computed once per pass, and x deinterleaved per group (16 even elements,
 // then 16 odd) so that the low and high nibbles of 16 bytes meet their inputs in order.
-// AVX2 (+FMA) intrinsics: GCC's generic vectors widened bytes to floats one lane at a time.
+// AVX2 (+FMA, F16C) intrinsics: GCC's generic vectors widened bytes to floats one lane at a
+// time.
 #include "vec.h"
 
 #include <ATen/Parallel.h>
 
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 bool quant_gemm_available() { return true; }
@@ -46,16 +48,19 @@ inline float hsum8(__m256 v) {
 inline __m256 widen_u8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
 inline __m256 widen_i8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
 
-template <int M>
-void int4_rows(const uint8_t* q, const float* scale, const float* zero, const float* xd,
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t h) { return _cvtsh_ss(h); }  // F16C
+
+template <int M, typename S>
+void int4_rows(const uint8_t* q, const S* scale, const S* mins, const float* xd,
                const float* xsum, float* out, int64_t n, int64_t k) {
   const int64_t groups = k / 32;
   const __m128i low4 = _mm_set1_epi8(0x0F);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const uint8_t* qn = q + row * (k / 2);
-      const float* sn = scale + row * groups;
-      const float* zn = zero + row * groups;
+      const S* sn = scale + row * groups;
+      const S* mn = mins + row * groups;
       __m256 acc[M];
       float acc_zero[M];
       for (int r = 0; r < M; ++r) {
@@ -66,14 +71,14 @@ void int4_rows(const uint8_t* q, const float* scale, const float* zero, const fl
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * 16));
         const __m128i lo = _mm_and_si128(bytes, low4);
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-        const __m256 s = _mm256_set1_ps(sn[g]);
+        const __m256 s = _mm256_set1_ps(to_f32(sn[g]));
         // q of the group: even elements 0-7, 8-15; odd 0-7, 8-15. The scale is applied
         // once to the group's dot product, not to each weight.
         const __m256 w0 = widen_u8(lo);
         const __m256 w1 = widen_u8(_mm_unpackhi_epi64(lo, lo));
         const __m256 w2 = widen_u8(hi);
         const __m256 w3 = widen_u8(_mm_unpackhi_epi64(hi, hi));
-        const float offset = zn[g] - 8.f * sn[g];
+        const float offset = to_f32(mn[g]);
         for (int r = 0; r < M; ++r) {
           const float* xg = xd + (r * groups + g) * 32;
           __m256 d = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
@@ -121,14 +126,26 @@ void int8_rows(const int8_t* q, const float* scale, const float* x, float* out, 
 
 }  // namespace
 
-at::Tensor int4_gemm(at::Tensor x, at::Tensor q, at::Tensor scale, at::Tensor zero) {
+template <typename S>
+void int4_dispatch(int64_t m, const uint8_t* q, const S* d, const S* mins, const float* xd,
+                   const float* xsum, float* out, int64_t n, int64_t k) {
+  switch (m) {  // the row count as a template argument: accumulators stay in registers
+    case 1: int4_rows<1>(q, d, mins, xd, xsum, out, n, k); break;
+    case 2: int4_rows<2>(q, d, mins, xd, xsum, out, n, k); break;
+    case 3: int4_rows<3>(q, d, mins, xd, xsum, out, n, k); break;
+    default: int4_rows<4>(q, d, mins, xd, xsum, out, n, k); break;
+  }
+}
+
+at::Tensor int4_gemm(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins) {
   const int64_t n = q.size(0), k = q.size(1) * 2, groups = k / 32, m = x.size(0);
   TORCH_CHECK(k % 32 == 0 && q.scalar_type() == at::kByte && q.is_contiguous(),
               "int4_gemm: q must be contiguous uint8 [N, K/2] with K a multiple of 32");
-  TORCH_CHECK(scale.is_contiguous() && zero.is_contiguous() &&
-              scale.scalar_type() == at::kFloat && zero.scalar_type() == at::kFloat &&
-              scale.numel() == n * groups && zero.numel() == n * groups,
-              "int4_gemm: scale and zero must be contiguous float32 [N, K/32]");
+  const auto st = d.scalar_type();
+  TORCH_CHECK(d.is_contiguous() && mins.is_contiguous() && mins.scalar_type() == st &&
+              (st == at::kFloat || st == at::kHalf) && d.numel() == n * groups &&
+              mins.numel() == n * groups,
+              "int4_gemm: d and m must be contiguous float32 or float16 [N, K/32]");
   check_x(x, k);
   std::vector<float> xd(m * k), xsum(m * groups);
   const float* xp = x.data_ptr<float>();
@@ -146,15 +163,14 @@ at::Tensor int4_gemm(at::Tensor x, at::Tensor q, at::Tensor scale, at::Tensor ze
     }
   auto out = at::empty({m, n}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* zp = zero.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  switch (m) {  // the row count as a template argument: accumulators stay in registers
-    case 1: int4_rows<1>(qp, sp, zp, xd.data(), xsum.data(), op, n, k); break;
-    case 2: int4_rows<2>(qp, sp, zp, xd.data(), xsum.data(), op, n, k); break;
-    case 3: int4_rows<3>(qp, sp, zp, xd.data(), xsum.data(), op, n, k); break;
-    default: int4_rows<4>(qp, sp, zp, xd.data(), xsum.data(), op, n, k); break;
-  }
+  if (st == at::kFloat)
+    int4_dispatch(m, qp, d.data_ptr<float>(), mins.data_ptr<float>(), xd.data(), xsum.data(),
+                  op, n, k);
+  else
+    int4_dispatch(m, qp, reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
+                  reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), xd.data(),
+                  xsum.data(), op, n, k);
   return out;
 }
 

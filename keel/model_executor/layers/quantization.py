@@ -47,8 +47,8 @@ _INNER_K_TILES = 8  # the packing's K tile (x 16 elements): K must be a multiple
 @dataclass
 class Int4Weight:
     """torch's packed form, or (groups of 32, keel's kernels built) keel's: `keel` =
-    (q as two nibbles per byte [N, K32 / 2], scale [N, K32 / 32], zero [N, K32 / 32]) in
-    float32, K32 = K rounded up to 32."""
+    (q as two nibbles per byte [N, K32 / 2], d [N, K32 / 32], m [N, K32 / 32]) with
+    W = q d + m, d and m in float16 when exact else float32, K32 = K rounded up to 32."""
 
     packed: torch.Tensor | None  # uint8 [N_pad, K_pad / 2]
     scales_and_zeros: torch.Tensor | None  # [K_pad / G, N_pad, 2] in the compute dtype
@@ -119,8 +119,13 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
             q = F.pad(q, (0, k32 - k), value=8)
         q = q.to(torch.uint8)
         pairs = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-        keel = (pairs, scale[:, : k32 // 32].float().contiguous(),
-                zero[:, : k32 // 32].float().contiguous())
+        # The kernel's form is Q4_1's, W = q d + m: float16 where that is exact (a Q4_0 or
+        # Q4_1 file's own d and m: half the bytes a token reads for them), else float32.
+        d = scale[:, : k32 // 32].double()
+        m = zero[:, : k32 // 32].double() - 8 * d
+        exact = torch.equal(d.half().double(), d) and torch.equal(m.half().double(), m)
+        dtype16 = torch.float16 if exact else torch.float32
+        keel = (pairs, d.to(dtype16).contiguous(), m.to(dtype16).contiguous())
         return Int4Weight(None, None, group_size, k, n, keel=keel)
     k_pad = -(-k // max(group_size, 16 * _INNER_K_TILES)) * max(group_size, 16 * _INNER_K_TILES)
     if k_pad != k:

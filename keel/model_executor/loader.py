@@ -93,7 +93,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
         from keel.model_executor.quantize_model import quantize_model
 
         quantize_model(model, model_config.quantization_method, folder,
-                       model_config.torch_dtype, model_config.quantization_group_size)
+                       model_config.quantization_group_size)
     model = model.to(model_config.torch_device).eval()
     for module in model.modules():  # e.g. pack weights for the CPU GEMM (layers/linear.py)
         process = getattr(module, "process_weights_after_loading", None)

@@ -3,8 +3,9 @@
 - `"gguf"` (a .gguf file, the default for one): every linear layer whose GGUF tensors are
   Q4_0 / Q4_1 / Q4_K takes their own 4-bit blocks (int4, groups of 32; a merged layer such as
   `qkv_proj` concatenates its parts' rows); a layer from Q8_0 / Q6_K / Q5_* becomes int8 per
-  output row; float tensors stay dense. The LM head and the embedding table follow the
-  file's type for them (int8 when it is quantized: a tied table is stored once, as int8 rows).
+  output row; float tensors stay dense. The LM head follows the file's type for it (int8
+  when it is quantized); the embedding table keeps the file's values in float32 (a lookup
+  reads only the pass's rows, so its bytes do not grow with the model's size per token).
 - `"int8"` / `"int4"` (any HF model): linear layers int8 per row / int4 in groups of
   `group_size` (the largest of 128, 64, 32 that divides K by default); the LM head int8.
 
@@ -36,14 +37,14 @@ from keel.model_executor.layers.quantization import (
     quantize_int8,
     quantized_linear,
 )
-from keel.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from keel.model_executor.layers.vocab_embedding import ParallelLMHead
 
 logger = logging.getLogger(__name__)
 METHODS = ("gguf", "int8", "int4")
 MiB = 1 << 20
 
 
-def quantize_model(model: nn.Module, method: str, folder: Path, dtype: torch.dtype,
+def quantize_model(model: nn.Module, method: str, folder: Path,
                    group_size: int | None = None) -> None:
     if method not in METHODS:
         raise ValueError(f"Unknown quantization {method!r}: use one of {METHODS} or None.")
@@ -78,7 +79,6 @@ def quantize_model(model: nn.Module, method: str, folder: Path, dtype: torch.dty
             kinds[kind] += 1
     head = getattr(model, "lm_head", None)
     if isinstance(head, ParallelLMHead):
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         head_bytes = head.weight.numel() * head.weight.element_size()
         dense_bytes += head_bytes
         # A GGUF file without an output tensor ties the LM head to the embedding table.
@@ -87,8 +87,6 @@ def quantize_model(model: nn.Module, method: str, folder: Path, dtype: torch.dty
             head.quant = pack_int8(*quantize_int8(head.weight.data))
             kinds[f"lm_head int8 (from {head_type if method == 'gguf' else 'float'})"] += 1
             quant_bytes += head.quant.nbytes
-            if head.tied and isinstance(embed, VocabParallelEmbedding) and method == "gguf":
-                embed.quant = head.quant  # one table: int8 rows for lookups and logits
         else:
             quant_bytes += head_bytes
     logger.info("Quantized weights (%s): %s. A token reads %.1f MiB of weights (dense: %.1f "

@@ -30,7 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.tp_rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, embedding_dim, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader
-        # int8 rows (keel/model_executor/quantize_model.py): a GGUF file's quantized table.
+        # ParallelLMHead only: int8 rows for the logits (keel/model_executor/quantize_model.py).
         self.quant: Int8Weight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -43,9 +43,6 @@ class VocabParallelEmbedding(nn.Module):
         default_weight_loader(param, loaded, "embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None and not self.weight.numel():  # int8 rows only: widen [T]
-            q = self.quant
-            return q.q[input_ids].to(q.scales.dtype) * q.scales[input_ids, None]
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start

@@ -183,7 +183,8 @@ class LinearBase(nn.Module):
         return self.packed_weight is not None or self.weight.numel() > 0
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if uses_kernel(self.quant, x, self.has_dense()):
+        # A dense model pays one attribute check here, not a call.
+        if self.quant is not None and uses_kernel(self.quant, x, self.has_dense()):
             return quantized_linear(x, self.quant, bias)
         if self.packed_weight is not None:
             return cpu_gemm(self, x, bias)

@@ -68,8 +68,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] (only the rows to be sampled) -> [n, vocab] in float32."""
-        has_dense = self.packed_weight is not None or self.weight.numel() > 0
-        if uses_kernel(self.quant, hidden, has_dense):
+        if self.quant is not None and uses_kernel(
+                self.quant, hidden, self.packed_weight is not None or self.weight.numel() > 0):
             logits = quantized_linear(hidden, self.quant)
         elif self.packed_weight is not None:
             logits = cpu_gemm(self, hidden, None)

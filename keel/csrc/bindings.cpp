@@ -3,21 +3,38 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <optional>
+#include "decode_layers.h"
+#include "ops.h"
 
-at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                           at::Tensor block_table, at::Tensor seq_lens,
-                           std::optional<at::Tensor> rows, double scale, int64_t sliding_window);
-void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
-                    at::Tensor value_cache, at::Tensor slot_mapping);
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
-void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-void rotary_neox_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
-                  at::Tensor sin, int64_t head_dim);
-at::Tensor silu_and_mul(at::Tensor x);
-at::Tensor int4_gemm(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins);
-at::Tensor int8_gemm(at::Tensor x, at::Tensor q, at::Tensor scale);
-bool quant_gemm_available();
+namespace {
+
+QLinear make_linear(at::Tensor q, at::Tensor d, std::optional<at::Tensor> m,
+                    std::optional<at::Tensor> bias) {
+  TORCH_CHECK(q.scalar_type() == (m.has_value() ? at::kByte : at::kChar),
+              "DecodePlan: int4 weights are uint8 with mins, int8 weights int8 without");
+  return QLinear{q, d, m.value_or(at::Tensor()), bias.value_or(at::Tensor())};
+}
+
+void add_layer(DecodePlan& plan, at::Tensor input_norm, at::Tensor post_norm, double eps,
+               std::vector<std::optional<at::Tensor>> linears,
+               std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+               at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, double scale, int64_t sliding_window) {
+  // linears: (q, d, m, bias) for each of qkv, o, gate_up, down.
+  TORCH_CHECK(linears.size() == 16, "DecodePlan.add_layer: 4 x (q, d, m, bias) expected");
+  QLinear lin[4];
+  for (int i = 0; i < 4; ++i)
+    lin[i] = make_linear(*linears[4 * i], *linears[4 * i + 1], linears[4 * i + 2],
+                         linears[4 * i + 3]);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "DecodePlan.add_layer: kv_cache must be a contiguous [2, blocks, bs, Hkv, D]");
+  plan.add_layer(DecodeLayer{input_norm, post_norm, lin[0], lin[1], lin[2], lin[3],
+                             q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()),
+                             cos.contiguous(), sin.contiguous(), kv_cache[0], kv_cache[1],
+                             heads, kv_heads, head_dim, sliding_window, scale, eps});
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention, one query token per row");
@@ -29,4 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &int4_gemm, "x @ W^T for int4 W (groups of 32), at most 4 rows");
   m.def("int8_gemm", &int8_gemm, "x @ W^T for int8 W (one scale per row), at most 4 rows");
   m.def("quant_gemm_available", &quant_gemm_available, "built with AVX2 + FMA");
+  pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a decode pass in one call")
+      .def(pybind11::init<>())
+      .def("add_layer", &add_layer, "one Llama-family decoder layer's weights and cache")
+      .def_property_readonly("num_layers", &DecodePlan::num_layers)
+      .def("run", &DecodePlan::run, "(hidden, residual) after every layer");
 }

@@ -81,9 +81,13 @@ QuantizedWeight = Int4Weight | Int8Weight
 
 
 def choose_group_size(k: int, wanted: int | None = None) -> int:
-    """The largest of 128, 64, 32 that divides K (else 32: K gets padded)."""
+    """32 where keel's kernels are built (they take groups of 32, and ran 2-2.6x faster than
+    torch's int4 kernel at one row); else the largest of 128, 64, 32 that divides K (else 32:
+    K gets padded) for torch's kernel."""
     if wanted is not None:
         return wanted
+    if _keel_ops() is not None:
+        return 32
     return next((g for g in INT4_GROUP_SIZES if k % g == 0), 32)
 
 

@@ -22,6 +22,7 @@ from keel.distributed import (
     get_pipeline_model_parallel_world_size,
     get_pp_indices,
 )
+from keel.model_executor.layers.fused_decode import FusedDecode
 from keel.model_executor.layers.layernorm import RMSNorm
 from keel.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -147,6 +148,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
                      if self.is_last_rank else PPMissingLayer())
+        self.fused_decode = FusedDecode()  # one user's decode over quantized weights
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None
@@ -156,8 +158,12 @@ class LlamaModel(nn.Module):
         else:  # the previous stage's output
             hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors[
                 "residual"]
-        for layer in self.layers[self.start_layer : self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual)
+        fused = self.fused_decode(self, positions, hidden, residual)
+        if fused is not None:
+            hidden, residual = fused
+        else:
+            for layer in self.layers[self.start_layer : self.end_layer]:
+                hidden, residual = layer(positions, hidden, residual)
         if not self.is_last_rank:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self.norm(hidden, residual)

@@ -1,0 +1,63 @@
+// The fused decode pass (see decode_layers.h): LlamaDecoderLayer.forward, layer after layer,
+// with the Python layers' kernels and arguments.
+#include "decode_layers.h"
+
+#include <ATen/core/Tensor.h>
+
+at::Tensor QLinear::operator()(const at::Tensor& x) const {
+  at::Tensor out = m.defined() ? int4_gemm(x, q, d, m) : int8_gemm(x, q, d);
+  if (bias.defined()) out.add_(bias);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> DecodePlan::run(at::Tensor hidden,
+                                                   std::optional<at::Tensor> residual_in,
+                                                   at::Tensor positions,
+                                                   at::Tensor block_table, at::Tensor seq_lens,
+                                                   at::Tensor slot_mapping) const {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat,
+              "DecodePlan.run: hidden must be float32 [M, hidden]");
+  const int64_t rows = hidden.size(0);
+  // Converted once for all layers (paged_attention would convert them in every layer).
+  block_table = block_table.to(at::kInt).contiguous();
+  seq_lens = seq_lens.to(at::kLong).contiguous();
+  positions = positions.to(at::kLong).contiguous();
+  at::Tensor x = hidden.contiguous();
+  at::Tensor residual;
+  bool first = !residual_in.has_value();
+  if (!first) residual = residual_in->contiguous();
+  for (const DecodeLayer& L : layers_) {
+    // input_layernorm: the first layer keeps the embedding as the residual.
+    if (first) {
+      residual = x;
+      x = rms_norm(x, L.input_norm, L.eps);
+      first = false;
+    } else {
+      fused_add_rms_norm_(x, residual, L.input_norm, L.eps);
+    }
+    // self_attn: views of one [M, q + 2 kv] output, rotated in place.
+    const int64_t q_size = L.heads * L.head_dim, kv_size = L.kv_heads * L.head_dim;
+    at::Tensor qkv = L.qkv(x);
+    at::Tensor q = qkv.narrow(1, 0, q_size);
+    at::Tensor k = qkv.narrow(1, q_size, kv_size);
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+    if (L.q_norm.defined()) {  // Qwen3: RMSNorm over each head before RoPE
+      q = rms_norm(q.reshape({rows * L.heads, L.head_dim}), L.q_norm, L.eps)
+              .view({rows, q_size});
+      k = rms_norm(k.reshape({rows * L.kv_heads, L.head_dim}), L.k_norm, L.eps)
+              .view({rows, kv_size});
+    }
+    rotary_neox_(positions, q, k, L.cos, L.sin, L.head_dim);
+    write_kv_cache(k.view({rows, L.kv_heads, L.head_dim}),
+                   v.view({rows, L.kv_heads, L.head_dim}), L.key_cache, L.value_cache,
+                   slot_mapping);
+    at::Tensor attn = paged_attention(q.view({rows, L.heads, L.head_dim}), L.key_cache,
+                                      L.value_cache, block_table, seq_lens, std::nullopt,
+                                      L.scale, L.sliding_window);
+    x = L.o(attn.view({rows, q_size}));
+    // post_attention_layernorm (residual += x; x = norm(residual)), then the MLP.
+    fused_add_rms_norm_(x, residual, L.post_norm, L.eps);
+    x = L.down(silu_and_mul(L.gate_up(x)));
+  }
+  return {x, residual};
+}

@@ -1,0 +1,21 @@
+// keel's CPU kernels as C++ functions: bound to Python in bindings.cpp, and called directly by
+// the fused decode pass (decode_layers.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                           at::Tensor block_table, at::Tensor seq_lens,
+                           std::optional<at::Tensor> rows, double scale, int64_t sliding_window);
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
+                    at::Tensor value_cache, at::Tensor slot_mapping);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_neox_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
+                  at::Tensor sin, int64_t head_dim);
+at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor int4_gemm(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins);
+at::Tensor int8_gemm(at::Tensor x, at::Tensor q, at::Tensor scale);
+bool quant_gemm_available();

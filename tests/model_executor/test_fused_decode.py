@@ -1,0 +1,102 @@
+"""The fused decode pass (keel/csrc/decode_layers.cpp, layers/fused_decode.py): all decoder
+layers of a decode pass of at most 4 rows in one C++ call over quantized weights. It runs the
+Python layers' kernels with their arguments, so the engine's output must be bit-identical
+with it on and off (KEEL_FUSED_DECODE=0): the same tokens and the same log-probabilities,
+for every Llama-family variant (GQA and llama3 RoPE, Qwen2's qkv bias, Qwen3's q/k norm,
+Mistral's sliding window), for int8 and int4 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel import LLM, SamplingParams
+from keel.model_executor import quantize_model
+from keel.model_executor.layers import fused_decode as fused_mod
+from keel.model_executor.layers.quantization import _keel_ops
+
+pytestmark = pytest.mark.skipif(_keel_ops() is None,
+                                reason="needs keel's quantized kernels (AVX2 + FMA CPU)")
+
+def rows_up_to_4(model):
+    for m in model.modules():
+        if getattr(m, "quant", None) is not None:
+            m.quant.max_rows = 4
+
+
+PROMPTS = [[5, 17, 33, 9, 41, 2, 77, 100, 3, 8] * 3, [60, 61, 62], [1, 2, 3, 4, 5, 6, 7]]
+
+
+def generate(folder: str, quantization: str, fused: bool, monkeypatch, prompts=PROMPTS,
+             max_num_seqs: int = 8):
+    """(token ids, per-token logprobs, fused passes, Python passes of <= 4 decode rows)."""
+    monkeypatch.setenv("KEEL_FUSED_DECODE", "1" if fused else "0")
+    calls = {"fused": 0, "python": 0}
+    real = fused_mod.FusedDecode.__call__
+
+    def counting(self, model, positions, hidden, residual):
+        out = real(self, model, positions, hidden, residual)
+        if out is not None:
+            calls["fused"] += 1
+        elif hidden.shape[0] <= 4:
+            calls["python"] += 1
+        return out
+
+    monkeypatch.setattr(fused_mod.FusedDecode, "__call__", counting)
+    # The kernel for passes of up to 4 rows, the dense GEMM above: fixed here, where the
+    # engine measures it per layer shape (too close to call on these tiny layers).
+    monkeypatch.setattr(quantize_model, "choose_rows_per_pass", rows_up_to_4)
+    llm = LLM(folder, quantization=quantization, kv_cache_memory_gib=0.0625,
+              max_num_seqs=max_num_seqs)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                for o in outs]
+    del llm
+    return tokens, logprobs, calls
+
+
+@pytest.mark.parametrize("arch,quantization", [
+    ("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int8"), ("mistral", "int8"),
+    ("qwen3", "int4"), ("mistral", "int4"),
+])
+def test_fused_decode_is_bit_identical(arch, quantization, hf_model_dir, monkeypatch):
+    folder = hf_model_dir(arch)
+    tok_on, lp_on, on = generate(folder, quantization, True, monkeypatch)
+    tok_off, lp_off, off = generate(folder, quantization, False, monkeypatch)
+    assert on["fused"] >= 39, on  # every decode pass of the 3 requests (<= 4 rows)
+    assert off["fused"] == 0
+    assert tok_on == tok_off
+    assert lp_on == lp_off  # bit-identical, not merely close
+
+
+def test_not_taken_where_it_does_not_apply(hf_model_dir, monkeypatch):
+    """More than 4 decode rows, and a dense model, run the Python layers."""
+    prompts = [[7 + i, 20 + i, 30] for i in range(6)]
+    _, _, calls = generate(hf_model_dir("qwen3"), "int8", True, monkeypatch, prompts=prompts)
+    assert calls["fused"] == 0  # 6 rows every decode pass
+    _, _, calls = generate(hf_model_dir("qwen3"), None, True, monkeypatch)
+    assert calls["fused"] == 0 and calls["python"] > 0
+
+
+def test_plan_follows_a_rebound_kv_cache(hf_model_dir, monkeypatch):
+    """A model whose KV cache is bound again (a new runner) gets a new plan over the new
+    cache, and matches the Python layers on it."""
+    from keel.config import ModelConfig
+    from keel.model_executor.direct import DirectRunner
+    from keel.model_executor.loader import load_model
+
+    monkeypatch.setattr(quantize_model, "choose_rows_per_pass", rows_up_to_4)
+    model = load_model(ModelConfig(hf_model_dir("qwen3"), quantization="int8",
+                                   dtype="float32"))
+    prompts = [[3, 4, 5, 6], [9, 10]]
+    first = DirectRunner(model, max_reqs=2, max_len=64).greedy(prompts, 12)
+    plan = model.model.fused_decode.plan
+    assert plan
+    second = DirectRunner(model, max_reqs=2, max_len=64).greedy(prompts, 12)
+    assert model.model.fused_decode.plan is not plan
+    model.model.fused_decode.plan = False  # the Python layers from here on
+    python = DirectRunner(model, max_reqs=2, max_len=64).greedy(prompts, 12)
+    assert first == second == python
+    assert torch.is_tensor(model.model.layers[0].self_attn.attn.kv_cache)

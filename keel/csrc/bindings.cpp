@@ -9,23 +9,24 @@
 namespace {
 
 QLinear make_linear(at::Tensor q, at::Tensor d, std::optional<at::Tensor> m,
-                    std::optional<at::Tensor> bias) {
+                    std::optional<at::Tensor> bias, int64_t act_parts) {
   TORCH_CHECK(q.scalar_type() == (m.has_value() ? at::kByte : at::kChar),
               "DecodePlan: int4 weights are uint8 with mins, int8 weights int8 without");
-  return QLinear{q, d, m.value_or(at::Tensor()), bias.value_or(at::Tensor())};
+  return QLinear{q, d, m, bias.value_or(at::Tensor()), act_parts};
 }
 
 void add_layer(DecodePlan& plan, at::Tensor input_norm, at::Tensor post_norm, double eps,
                std::vector<std::optional<at::Tensor>> linears,
                std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
                at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, int64_t heads,
-               int64_t kv_heads, int64_t head_dim, double scale, int64_t sliding_window) {
+               int64_t kv_heads, int64_t head_dim, double scale, int64_t sliding_window,
+               int64_t act_parts) {
   // linears: (q, d, m, bias) for each of qkv, o, gate_up, down.
   TORCH_CHECK(linears.size() == 16, "DecodePlan.add_layer: 4 x (q, d, m, bias) expected");
   QLinear lin[4];
   for (int i = 0; i < 4; ++i)
     lin[i] = make_linear(*linears[4 * i], *linears[4 * i + 1], linears[4 * i + 2],
-                         linears[4 * i + 3]);
+                         linears[4 * i + 3], act_parts);
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "DecodePlan.add_layer: kv_cache must be a contiguous [2, blocks, bs, Hkv, D]");
   plan.add_layer(DecodeLayer{input_norm, post_norm, lin[0], lin[1], lin[2], lin[3],
@@ -45,6 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:]");
   m.def("int4_gemm", &int4_gemm, "x @ W^T for int4 W (groups of 32), at most 4 rows");
   m.def("int8_gemm", &int8_gemm, "x @ W^T for int8 W (one scale per row), at most 4 rows");
+  m.def("int4_gemm_q8", &int4_gemm_q8, "int4_gemm with activations in int8 parts (groups of 32)");
+  m.def("int8_gemm_q8", &int8_gemm_q8, "int8_gemm with activations in int8 parts (groups of 32)");
+  m.def("quant_linear", &quant_linear, "x @ W^T for keel's int4 / int8 weights, <= 4 rows");
   m.def("quant_gemm_available", &quant_gemm_available, "built with AVX2 + FMA");
   pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a decode pass in one call")
       .def(pybind11::init<>())

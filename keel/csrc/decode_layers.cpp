@@ -5,7 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 at::Tensor QLinear::operator()(const at::Tensor& x) const {
-  at::Tensor out = m.defined() ? int4_gemm(x, q, d, m) : int8_gemm(x, q, d);
+  at::Tensor out = quant_linear(x, q, d, m, act_parts);
   if (bias.defined()) out.add_(bias);
   return out;
 }

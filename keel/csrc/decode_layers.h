@@ -15,7 +15,10 @@
 // x @ W^T (+ bias) with W kept quantized: int4 in groups of 32 (q uint8 [N, K/2], d and m
 // [N, K/32], W = q d + m) or int8 per row (q int8 [N, K], d = scale float32 [N]).
 struct QLinear {
-  at::Tensor q, d, m, bias;  // m undefined for int8; bias undefined when there is none
+  at::Tensor q, d;
+  std::optional<at::Tensor> m;  // none for int8
+  at::Tensor bias;  // undefined when there is none
+  int64_t act_parts;  // quant_linear's choice, as the Python layers make it
   at::Tensor operator()(const at::Tensor& x) const;
 };
 

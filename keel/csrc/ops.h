@@ -18,4 +18,13 @@ void rotary_neox_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor c
 at::Tensor silu_and_mul(at::Tensor x);
 at::Tensor int4_gemm(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins);
 at::Tensor int8_gemm(at::Tensor x, at::Tensor q, at::Tensor scale);
+// The same with the activations quantized per group of 32 to `parts` int8 parts (1: int8;
+// 2: ~15 bits) and integer dot products.
+at::Tensor int4_gemm_q8(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins,
+                        int64_t parts);
+at::Tensor int8_gemm_q8(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t parts);
+// x @ W^T for keel's int4 (m given) or int8 weights, choosing the kernel for the pass;
+// activations in `act_parts` int8 parts, 0 for float32.
+at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<at::Tensor> m,
+                        int64_t act_parts);
 bool quant_gemm_available();

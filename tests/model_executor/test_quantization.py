@@ -149,11 +149,24 @@ def test_quantization_option_errors(hf_model_dir):
     assert ModelConfig(folder, quantization="int4").quantization_method == "int4"
 
 
+def activation_error(x: torch.Tensor, parts: int, deinterleave: bool) -> torch.Tensor:
+    """The most each input of x may move when keel's kernels take it in `parts` int8 parts per
+    group of 32 (s = amax / 127 of the group; s / 2 for one part, s / 508 for two)."""
+    if parts == 0:
+        return torch.zeros_like(x)
+    rows, k = x.shape
+    s = x.abs().reshape(rows, k // 32, 32).amax(-1) / 127
+    return (s / (2 if parts == 1 else 508)).repeat_interleave(32, dim=1)
+
+
+@pytest.mark.parametrize("parts", [0, 1, 2])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_keel_kernels_against_torch_kernels(rows, monkeypatch):
-    """keel's AVX2 kernels (csrc/quant_gemm.cpp; float32 activations and scales) against the
-    float32 computation on the same weights (to float accumulation), and torch's kernels
-    (the fallback) as a second oracle within its bfloat16 bound. 9 rows: split in calls of 4."""
+def test_keel_kernels_against_torch_kernels(rows, parts, monkeypatch):
+    """keel's AVX2 kernels (csrc/quant_gemm.cpp) against the float32 computation on the same
+    weights, with float32 activations (parts 0: to float accumulation) and with activations
+    in one or two int8 parts per group of 32 (within what their rounding can move: the
+    bound is sum_k |W[n, k]| err[k], err from activation_error), and torch's kernels (the
+    fallback) as a second oracle within its bfloat16 bound. 9 rows: split in calls of 4."""
     from keel.model_executor.layers import quantization as qmod
 
     assert qmod._keel_ops() is not None, "keel's CPU kernels should build on this machine"
@@ -168,12 +181,28 @@ def test_keel_kernels_against_torch_kernels(rows, monkeypatch):
     assert torch4.keel is None and torch8.scales_f32 is None
     monkeypatch.undo()
     x = torch.randn(rows, k)
+    x[:, 7] = 30.0  # an outlier channel, as LLM activations have
     w4 = ((q.reshape(n, -1, 32) - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
     w8 = q8.float() * s8[:, None]
     for keel_w, torch_w, wf in ((keel4, torch4, w4), (keel8, torch8, w8)):
         ref = x @ wf.t()
-        got = quantized_linear(x, keel_w)
+        got = quantized_linear(x, keel_w, activation_parts=parts)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
-        assert (got - ref).abs().max() <= 1e-4 * (x.abs() @ wf.abs().t()).max()
+        err = (got - ref).abs()
+        float_part = 1e-4 * (x.abs() @ wf.abs().t()).max()
+        assert (err <= activation_error(x, parts, True) @ wf.abs().t() + float_part).all()
+        if parts == 1 and keel_w is keel4:  # the bound is not vacuous: one part does round
+            assert err.max() > 10 * float_part
         bound = x.abs() @ (EPS * (group_max(w) + wf.abs())).t() + 1e-4
         assert ((quantized_linear(x, torch_w) - ref).abs() <= bound).all()
+
+
+def test_activation_parts_option(monkeypatch):
+    from keel.model_executor.layers.quantization import activation_parts_from_env
+
+    assert activation_parts_from_env() == 2  # int16 by default
+    monkeypatch.setenv("KEEL_QUANT_ACTIVATIONS", "int8")
+    assert activation_parts_from_env() == 1
+    monkeypatch.setenv("KEEL_QUANT_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="KEEL_QUANT_ACTIVATIONS='int4': use one of int16"):
+        activation_parts_from_env()

@@ -2,12 +2,15 @@
 against the same file dequantized to float32: 16 chat prompts.
 
 Every quantized layer is forced onto its kernel (as at batch 1, where the engine uses it),
-so the whole forward pass is the quantized one. Stated bound, measured with margin here:
-the prompts' next-token logits differ by at most 2.0 (logits span ~35; measured 1.04: the
-int4 weights are the file's own, the differences come from bfloat16 activations and the
-int8 LM head requantized from Q8_0), the top token agrees on at least 14 of 16 prompts
+so the whole forward pass is the quantized one, with keel's default activations (two int8
+parts per group of 32, layers/quantization.py). Stated bound, measured with margin here:
+the prompts' next-token logits differ by at most 2.0 (logits span ~35; measured 0.65: the
+int4 weights are the file's own, the differences come from the activations' rounding and
+the int8 LM head requantized from Q8_0), the top token agrees on at least 14 of 16 prompts
 (measured 16), and greedy continuations of 32 tokens agree on average for at least half
-their length before the first difference (measured 81%).
+their length before the first difference (measured 89%). With llama.cpp's one-part int8
+activations (KEEL_QUANT_ACTIVATIONS=int8) this test fails: logits move by more than 2.0,
+and the model no longer answers "Paris", as llama.cpp does not on the same file.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ def test_quantized_default_model_against_dequantized(prompts, caplog):
     first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), NEW_TOKENS)
                   for x, y in zip(tq, td)]
     agreement = sum(first_diff) / (len(first_diff) * NEW_TOKENS)
-    print(f"token agreement before the first difference: {agreement:.0%} {first_diff}")
+    print(f"max logit difference {(lq - ld).abs().max():.2f}; token agreement before the "
+          f"first difference: {agreement:.0%} {first_diff}")
     assert agreement >= 0.5
 
 

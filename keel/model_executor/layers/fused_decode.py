@@ -27,6 +27,7 @@ import torch
 
 from keel.attention.forward_context import get_forward_context
 from keel.distributed import get_tensor_model_parallel_world_size
+from keel.model_executor.layers import quantization
 from keel.model_executor.layers.quantization import KEEL_MAX_ROWS, Int4Weight, Int8Weight
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class FusedDecode:
                 None if attn.q_norm is None else attn.q_norm.weight,
                 None if attn.k_norm is None else attn.k_norm.weight,
                 cos, sin, cache, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                attn.attn.scale, attn.attn.sliding_window or 0)
+                attn.attn.scale, attn.attn.sliding_window or 0, quantization.ACTIVATION_PARTS)
         if max_rows < 1:
             return False
         self.max_rows, self._cache = max_rows, layers[0].self_attn.attn.kv_cache

@@ -31,6 +31,7 @@ model keeps one (quantize_model.py measures where the kernels stop winning).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -164,16 +165,40 @@ def _keel_ops():
 
 
 KEEL_MAX_ROWS = 4  # rows per call of keel's kernels (larger passes are split)
+# keel's kernels take the activations as integers, per group of 32 (scale s = amax / 127),
+# and compute integer dot products (maddubs), as llama.cpp does; at one row 1.5-2x faster
+# than widening each weight to float here. KEEL_QUANT_ACTIVATIONS chooses how:
+# - "int16" (default): two int8 parts, x = s / 254 (254 x1 + x2), each input within s / 508
+#   (~15 bits): the dequantized model's answers (the default model's 16 prompts agree as in
+#   float32), for twice the integer work;
+# - "int8": one part, within s / 2: llama.cpp's Q8 activations, fastest, and on the default
+#   135M model as lossy as llama.cpp is ("What is the capital of France?" loses "Paris");
+# - "float32": float activations, each weight widened to float.
+# tests/model_executor/test_quantization.py states each bound.
+_ACTIVATIONS = {"int16": 2, "int8": 1, "float32": 0}
 
 
-def _keel_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """keel's kernels (csrc/quant_gemm.cpp): float32 in and out, 4 rows per call."""
-    ops = _keel_ops()
+def activation_parts_from_env() -> int:
+    value = os.environ.get("KEEL_QUANT_ACTIVATIONS", "int16")
+    if value not in _ACTIVATIONS:
+        raise ValueError(f"KEEL_QUANT_ACTIVATIONS={value!r}: use one of "
+                         f"{', '.join(_ACTIVATIONS)}.")
+    return _ACTIVATIONS[value]
+
+
+ACTIVATION_PARTS = activation_parts_from_env()
+
+
+def _keel_linear(x: torch.Tensor, w: QuantizedWeight, parts: int | None = None) -> torch.Tensor:
+    """keel's kernels (csrc/quant_gemm.cpp `quant_linear`): float32 in and out, 4 rows per
+    call, activations as ACTIVATION_PARTS (or `parts`) says."""
+    fn = _keel_ops().quant_linear
+    parts = ACTIVATION_PARTS if parts is None else parts
     xf = x.float().contiguous()
     if isinstance(w, Int8Weight):
-        fn, args = ops.int8_gemm, (w.q, w.scales_f32)
+        args = (w.q, w.scales_f32, None, parts)
     else:
-        fn, args = ops.int4_gemm, w.keel
+        args = (*w.keel, parts)
         k32 = w.keel[0].shape[1] * 2
         if xf.shape[-1] != k32:
             xf = F.pad(xf, (0, k32 - xf.shape[-1]))
@@ -183,13 +208,14 @@ def _keel_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
                       for i in range(0, xf.shape[0], KEEL_MAX_ROWS)])
 
 
-def quantized_linear(x: torch.Tensor, w: QuantizedWeight,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ W^T (+ bias) -> [T, N] in x's dtype (float32 in keel's kernels, else
-    bfloat16 inputs in torch's)."""
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
+                     activation_parts: int | None = None) -> torch.Tensor:
+    """x [T, K] @ W^T (+ bias) -> [T, N] in x's dtype (float32 in keel's kernels, with the
+    activations as ACTIVATION_PARTS, or `activation_parts`, says; else bfloat16 inputs in
+    torch's)."""
     dtype = x.dtype
     if (w.keel if isinstance(w, Int4Weight) else w.scales_f32) is not None:
-        out = _keel_linear(x, w)
+        out = _keel_linear(x, w, activation_parts)
     elif isinstance(w, Int8Weight):
         xq = x.to(w.scales.dtype)
         out = torch.ops.aten._weight_int8pack_mm(xq.contiguous(), w.q, w.scales)
@@ -211,7 +237,7 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
     if isinstance(w, Int8Weight):
         return w.q.float() * w.scales.float()[:, None]
     eye = torch.eye(w.in_features, dtype=torch.bfloat16 if w.keel is None else torch.float32)
-    return quantized_linear(eye, w).float().t().contiguous()
+    return quantized_linear(eye, w, activation_parts=0).float().t().contiguous()
 
 
 def uses_kernel(w: QuantizedWeight | None, x: torch.Tensor, has_dense: bool) -> bool:

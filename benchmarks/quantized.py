@@ -1,7 +1,9 @@
 """Quantized weights: keel with the GGUF file's 4-bit weights kept quantized vs keel with them
 dequantized vs llama.cpp (llama-cpp-python) on the same GGUF file, the default model.
 
-Single stream: one chat prompt, 256 new tokens, greedy (EOS does not stop). Time to first
+Single stream: one chat prompt, 256 new tokens, greedy (EOS does not stop). keel quantized
+runs twice: with its default activations (two int8 parts per group of 32) and with
+llama.cpp's (one int8 part, KEEL_QUANT_ACTIVATIONS=int8). Time to first
 token (the prompt's prefill + one token), decode tokens/s over the other 255, peak RSS of the
 process. Then keel at 8 and 64 concurrent requests (64 new tokens each), quantized vs dense,
 to show the per-pass choice (layers/quantization.py) holds up. Every run is its own child
@@ -122,16 +124,20 @@ def main() -> None:
     ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
                                   return_dict=False)
     threads = len(os.sched_getaffinity(0))
-    runs = {"keel quantized (gguf)": ("keel", "auto"), "keel dequantized": ("keel", None)}
+    # keel's default activations (two int8 parts per group of 32), llama.cpp's (one part).
+    runs = {"keel quantized (gguf)": ("keel", "auto"), "keel quantized, int8 act": ("keel", "auto"),
+            "keel dequantized": ("keel", None)}
     if args.llama_cpp_python:
         runs["llama.cpp"] = ("llama", None)
     best: dict[str, dict] = {}
     for r in range(args.rounds):
         for name, (engine, quant) in runs.items():
             if engine == "keel":
+                env = dict(os.environ, KEEL_QUANT_ACTIVATIONS="int8" if "int8" in name
+                           else "int16")
                 res = child(sys.executable, KEEL_CHILD, {
                     "quantization": quant, "dtype": args.dtype, "messages": QUESTION,
-                    "tokens": args.tokens, "batch": 1})
+                    "tokens": args.tokens, "batch": 1}, env)
             else:
                 res = child(args.llama_cpp_python, LLAMA_CHILD, {
                     "gguf": gguf, "ids": ids, "tokens": args.tokens, "threads": threads})
@@ -161,12 +167,13 @@ def main() -> None:
         print(f"{name:24s} {res['decode_tok_s']:12.1f} {res['ttft_s'] * 1e3:8.1f} "
               f"{res['startup_s']:10.2f} {res['peak_rss_mib']:12.0f}")
     if "llama.cpp" in best:
-        ratio = best["keel quantized (gguf)"]["decode_tok_s"] / best["llama.cpp"]["decode_tok_s"]
-        print(f"keel quantized / llama.cpp (decode): {ratio:.2f}x")
+        for name in ("keel quantized (gguf)", "keel quantized, int8 act"):
+            ratio = best[name]["decode_tok_s"] / best["llama.cpp"]["decode_tok_s"]
+            print(f"{name} / llama.cpp (decode): {ratio:.2f}x")
     q, d = best["keel quantized (gguf)"]["tokens"], best["keel dequantized"]["tokens"]
     agree = next((i for i, (a, b) in enumerate(zip(q, d)) if a != b), len(q))
     print(f"greedy tokens: quantized and dequantized agree on the first {agree} of {len(q)}")
-    for name in ("keel quantized (gguf)", "llama.cpp"):
+    for name in ("keel quantized (gguf)", "keel quantized, int8 act", "llama.cpp"):
         if name in best:
             print(f"{name} says: {best[name]['text']!r}")
     for n in (8, 64):

@@ -7,10 +7,16 @@
 - `rms_norm`, `fused_add_rms_norm_`, `rotary_neox_`, `silu_and_mul` (csrc/fused_ops.cpp): the
   decoder layer's elementwise steps, one op each instead of 5-15 torch ops, rounding where
   those torch expressions round.
-- `int4_gemm`, `int8_gemm` (csrc/quant_gemm.cpp, AVX2 + FMA; `quant_gemm_available()` says
-  whether this build has them): weight-only quantized matmul for passes of at most 4 rows
-  (one user's decode), float32 throughout; torch's kernels are the fallback and the tests'
-  oracle (keel/model_executor/layers/quantization.py).
+- `quant_linear` (csrc/quant_gemm.cpp, AVX2 + FMA; `quant_gemm_available()` says whether
+  this build has it): weight-only quantized matmul (int4 groups of 32, int8 per row) for
+  passes of at most 4 rows (one user's decode), with the activations as integers per group
+  of 32 and integer dot products (`int4_gemm_q8`, `int8_gemm_q8`), or in float32
+  (`int4_gemm`, `int8_gemm`); torch's kernels are the fallback and the tests' oracle
+  (keel/model_executor/layers/quantization.py).
+- `DecodePlan` (csrc/decode_layers.cpp): a Llama-family model's decoder layers for a decode
+  pass of at most 4 rows over those quantized weights, in one call: the kernels above in the
+  Python layers' order, without the interpreter between them
+  (keel/model_executor/layers/fused_decode.py).
 
 They are built with torch's JIT extension builder the first time they are needed (~15 s on 2
 cores: the sources include ATen's core headers, not all of torch/extension.h; cached under

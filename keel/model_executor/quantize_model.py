@@ -112,21 +112,42 @@ def _sources(name: str, mapping: list[tuple[str, str, Any]]) -> list[str]:
 
 def _gguf_linear(module: LinearBase, name: str, mapping, types: dict[str, str],
                  int4_file) -> str:
-    if module.tp_size > 1:
-        raise NotImplementedError("GGUF weights kept quantized with tensor_parallel_size > 1 "
-                                  "are not implemented in keel yet: pass quantization=None "
-                                  "(dequantized) or drop tensor parallelism.")
     sources = _sources(name, mapping)
     kinds = {types.get(s, "F32") for s in sources}
     if kinds <= set(INT4_TYPES) and int4_file is not None:
         parts = [_read_int4(int4_file, s) for s in sources]
-        q, scale, zero = (torch.cat(x, 0) for x in zip(*parts))
+        if module.tp_size > 1:
+            q, scale, zero = _this_rank(module, name, mapping, parts)
+        else:
+            q, scale, zero = (torch.cat(x, 0) for x in zip(*parts))
         module.quant = pack_int4(q, scale, zero, 32)
         return f"int4/g32 (GGUF {'+'.join(sorted(kinds))})"
     if kinds <= set(INT4_TYPES + INT8_TYPES):
         module.quant = pack_int8(*quantize_int8(module.weight.data))
         return f"int8 (from GGUF {'+'.join(sorted(kinds))})"
     return f"dense (GGUF {'+'.join(sorted(kinds))})"
+
+
+def _this_rank(module: LinearBase, name: str, mapping, parts) -> list[torch.Tensor]:
+    """This tensor-parallel rank's rows (column parallel) or columns (row parallel) of the
+    4-bit values and of their per-group scale and zero, cut by the layer's own weight_loader
+    as it cut the dense weight: the groups of 32 run along K, so a row-parallel shard must
+    start and end on a group boundary."""
+    merged = name.rsplit(".", 1)[-1]
+    shard_ids = [sid for m, _, sid in mapping if m == merged] or [None]
+    n, k = module.weight.shape  # this rank's
+    if k % 32:
+        raise NotImplementedError(
+            f"{name}: {k} input features per tensor-parallel rank is not a multiple of the "
+            "GGUF 4-bit group (32); keel cannot split those groups yet: pass "
+            "quantization=None (dequantized) or a smaller tensor_parallel_size.")
+    out = []
+    for i, cols in enumerate((k, k // 32, k // 32)):  # q, scale, zero
+        local = torch.nn.Parameter(torch.empty(n, cols, dtype=parts[0][i].dtype), False)
+        for part, shard_id in zip(parts, shard_ids):
+            module.weight_loader(local, part[i], shard_id)
+        out.append(local.data)
+    return out
 
 
 def _read_int4(f, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -162,3 +162,30 @@ def test_pipeline_larger_than_the_model_is_refused_before_starting_anything(hf_m
         LLM(hf_model_dir("llama"), dtype="float32", pipeline_parallel_size=4)
     after = {p.pid for p in psutil.Process().children(recursive=True)}
     assert after <= before
+
+
+def test_gguf_kept_quantized_with_tensor_parallelism():
+    """The default model's GGUF file, its 4-bit weights kept quantized and cut per rank
+    (SmolLM2-135M has 9 heads: 3 ranks), continues a chat prompt as one process does."""
+    from keel.model_executor.layers.quantization import Int4Weight
+
+    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    single = LLM(max_num_seqs=1)
+    expected = single.chat(prompt, sp, use_tqdm=False)[0].outputs[0]
+    single.close()
+    llm = LLM(max_num_seqs=1, tensor_parallel_size=3)
+    executor = llm.engine_core.model_executor
+
+    def qkv(worker):
+        w = worker.model_runner.model.model.layers[0].self_attn.qkv_proj.quant
+        return type(w).__name__, w.out_features, w.in_features
+
+    got = llm.chat(prompt, sp, use_tqdm=False)[0].outputs[0]
+    shapes = executor.collective_rpc(qkv)
+    pids = worker_pids(llm)
+    llm.close()
+    assert_gone(pids)
+    assert shapes == [(Int4Weight.__name__, (9 + 2 * 3) * 64 // 3, 576)] * 3
+    assert got.token_ids == expected.token_ids
+    assert "Paris" in got.text

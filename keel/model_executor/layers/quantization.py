@@ -17,8 +17,9 @@ A layer whose K is not a multiple of the group is padded with zero columns (and 
 with zeros) so the kernel's shape rules hold.
 
 keel's own kernels (csrc/quant_gemm.cpp, AVX2 + FMA: int4 in groups of 32 and int8 per row,
-float32 activations and scales, up to 4 rows a call) run these where they are built: at one
-row they were 2-2.6x faster than torch's int4 kernel and 1.5x its int8 one here. Otherwise
+up to 4 rows a call, activations as ACTIVATION_PARTS below says) run these where they are
+built: with float32 activations, at one row, they were already 2-2.6x faster than torch's
+int4 kernel and 1.5x its int8 one here; integer activations gained 1.5-2x more. Otherwise
 torch's kernels compute with bfloat16 activations and scales (float32 accumulation): they
 are vectorized for bfloat16 only, and with float32 activations ran 10-70x slower than the
 dense GEMM here. A float32 model's activations are then rounded to bfloat16 on the way in,

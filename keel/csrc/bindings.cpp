@@ -8,31 +8,43 @@
 
 namespace {
 
-QLinear make_linear(at::Tensor q, at::Tensor d, std::optional<at::Tensor> m,
-                    std::optional<at::Tensor> bias, int64_t act_parts) {
-  TORCH_CHECK(q.scalar_type() == (m.has_value() ? at::kByte : at::kChar),
-              "DecodePlan: int4 weights are uint8 with mins, int8 weights int8 without");
-  return QLinear{q, d, m, bias.value_or(at::Tensor()), act_parts};
+PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
+                       std::optional<at::Tensor> m, int64_t max_rows, int64_t act_parts,
+                       std::optional<at::Tensor> packed, std::optional<at::Tensor> weight,
+                       std::optional<at::Tensor> bias) {
+  PlanLinear lin;
+  if (max_rows > 0) {
+    TORCH_CHECK(q.has_value() && d.has_value() &&
+                    q->scalar_type() == (m.has_value() ? at::kByte : at::kChar),
+                "PlanLinear: int4 weights are uint8 with mins, int8 weights int8 without");
+    lin.q = *q;
+    lin.d = *d;
+    lin.m = m;
+  }
+  lin.max_rows = max_rows;
+  lin.act_parts = act_parts;
+  lin.packed = packed.value_or(at::Tensor());
+  lin.weight = weight.value_or(at::Tensor());
+  lin.bias = bias.value_or(at::Tensor());
+  TORCH_CHECK(lin.packed.defined() || (lin.weight.defined() && lin.weight.numel() > 0) ||
+                  max_rows >= (int64_t{1} << 62),
+              "PlanLinear: a layer without a dense weight must take every pass quantized");
+  return lin;
 }
 
 void add_layer(DecodePlan& plan, at::Tensor input_norm, at::Tensor post_norm, double eps,
-               std::vector<std::optional<at::Tensor>> linears,
-               std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-               at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, int64_t heads,
-               int64_t kv_heads, int64_t head_dim, double scale, int64_t sliding_window,
-               int64_t act_parts) {
-  // linears: (q, d, m, bias) for each of qkv, o, gate_up, down.
-  TORCH_CHECK(linears.size() == 16, "DecodePlan.add_layer: 4 x (q, d, m, bias) expected");
-  QLinear lin[4];
-  for (int i = 0; i < 4; ++i)
-    lin[i] = make_linear(*linears[4 * i], *linears[4 * i + 1], linears[4 * i + 2],
-                         linears[4 * i + 3], act_parts);
+               std::vector<PlanLinear> linears, std::optional<at::Tensor> q_norm,
+               std::optional<at::Tensor> k_norm, at::Tensor cos, at::Tensor sin,
+               at::Tensor kv_cache, int64_t heads, int64_t kv_heads, int64_t head_dim,
+               double scale, int64_t sliding_window) {
+  TORCH_CHECK(linears.size() == 4, "DecodePlan.add_layer: qkv, o, gate_up, down expected");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "DecodePlan.add_layer: kv_cache must be a contiguous [2, blocks, bs, Hkv, D]");
-  plan.add_layer(DecodeLayer{input_norm, post_norm, lin[0], lin[1], lin[2], lin[3],
-                             q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()),
-                             cos.contiguous(), sin.contiguous(), kv_cache[0], kv_cache[1],
-                             heads, kv_heads, head_dim, sliding_window, scale, eps});
+  plan.add_layer(DecodeLayer{input_norm, post_norm, linears[0], linears[1], linears[2],
+                             linears[3], q_norm.value_or(at::Tensor()),
+                             k_norm.value_or(at::Tensor()), cos.contiguous(), sin.contiguous(),
+                             kv_cache[0], kv_cache[1], heads, kv_heads, head_dim,
+                             sliding_window, scale, eps});
 }
 
 }  // namespace
@@ -50,6 +62,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm_q8", &int8_gemm_q8, "int8_gemm with activations in int8 parts (groups of 32)");
   m.def("quant_linear", &quant_linear, "x @ W^T for keel's int4 / int8 weights, <= 4 rows");
   m.def("quant_gemm_available", &quant_gemm_available, "built with AVX2 + FMA");
+  pybind11::class_<PlanLinear>(m, "PlanLinear", "one linear layer of a DecodePlan")
+      .def(pybind11::init(&make_linear),
+           "(q, d, m, max_rows, act_parts, packed, weight, bias): the quantized form (used up "
+           "to max_rows rows; 0: none), the oneDNN-packed and the dense weight");
   pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a decode pass in one call")
       .def(pybind11::init<>())
       .def("add_layer", &add_layer, "one Llama-family decoder layer's weights and cache")

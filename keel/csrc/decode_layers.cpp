@@ -3,11 +3,52 @@
 #include "decode_layers.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
 
-at::Tensor QLinear::operator()(const at::Tensor& x) const {
-  at::Tensor out = quant_linear(x, q, d, m, act_parts);
-  if (bias.defined()) out.add_(bias);
-  return out;
+#include <string_view>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kKernelRows = 4;  // rows per call of keel's quantized kernels
+
+// torch.ops.mkldnn._linear_pointwise, as keel's packed_linear calls it (layers/linear.py).
+at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed,
+                            const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, std::string_view,
+                            c10::List<std::optional<c10::Scalar>>,
+                            std::optional<std::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(),
+                 std::string_view(""));
+}
+
+}  // namespace
+
+at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
+  const int64_t rows = x.size(0);
+  if (max_rows > 0 && rows <= max_rows) {  // quantized_linear: 4 rows a call, then bias
+    at::Tensor out;
+    if (rows <= kKernelRows) {
+      out = quant_linear(x, q, d, m, act_parts);
+    } else {
+      std::vector<at::Tensor> parts;
+      for (int64_t i = 0; i < rows; i += kKernelRows)
+        parts.push_back(quant_linear(x.narrow(0, i, std::min(kKernelRows, rows - i)), q, d, m,
+                                     act_parts));
+      out = at::cat(parts);
+    }
+    return bias.defined() ? out.add_(bias) : out;
+  }
+  const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias)
+                                                     : std::nullopt;
+  if (packed.defined()) return linear_pointwise(x, packed, b);
+  return at::linear(x, weight, b);
 }
 
 std::tuple<at::Tensor, at::Tensor> DecodePlan::run(at::Tensor hidden,

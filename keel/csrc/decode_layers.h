@@ -1,8 +1,9 @@
-// The fused decode pass: a Llama-family model's decoder layers for a pass of a few decode
-// rows (one user's decode), run as one C++ call over keel's quantized weights.
+// The fused decode pass: a Llama-family model's decoder layers for a pass of decode rows
+// (one token per request), run as one C++ call.
 //
-// At one row a decode step's kernels take ~12 ms on the default model, and the Python between
-// them (module calls, views, splits, ~10 ops per layer x 30 layers) took ~8 ms more. Here the
+// At one row a decode step's kernels take ~12 ms on the default model (quantized), and the
+// Python between them (module calls, views, splits, ~10 ops per layer x 30 layers) took ~8 ms
+// more; at 64 rows (dense float32) ~20 ms of a ~200 ms step. Here the
 // same kernels run in the same order with the same arguments as the Python layers
 // (keel/model_executor/models/llama.py), so the result is bit-identical; only the interpreter
 // is gone. keel/model_executor/layers/fused_decode.py decides when a pass can take it.
@@ -12,19 +13,22 @@
 
 #include <vector>
 
-// x @ W^T (+ bias) with W kept quantized: int4 in groups of 32 (q uint8 [N, K/2], d and m
-// [N, K/32], W = q d + m) or int8 per row (q int8 [N, K], d = scale float32 [N]).
-struct QLinear {
+// x @ W^T (+ bias), as keel's LinearBase._matmul computes it: on keel's quantized kernels
+// (int4 in groups of 32: q uint8 [N, K/2], d and m [N, K/32], W = q d + m; or int8 per row:
+// q int8 [N, K], d = scale float32 [N]) for passes of at most `max_rows` rows, else on the
+// oneDNN-packed weight, else on the dense weight.
+struct PlanLinear {
   at::Tensor q, d;
-  std::optional<at::Tensor> m;  // none for int8
-  at::Tensor bias;  // undefined when there is none
-  int64_t act_parts;  // quant_linear's choice, as the Python layers make it
+  std::optional<at::Tensor> m;  // int4's mins; none for int8
+  int64_t max_rows = 0;         // quantized kernels up to this many rows (0: no quantized form)
+  int64_t act_parts = 0;        // quant_linear's activations, as the Python layers choose
+  at::Tensor packed, weight, bias;  // oneDNN-packed / dense weight, bias; each may be undefined
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
 struct DecodeLayer {
   at::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]
-  QLinear qkv, o, gate_up, down;
+  PlanLinear qkv, o, gate_up, down;
   at::Tensor q_norm, k_norm;  // Qwen3's per-head RMSNorm weights [head_dim], else undefined
   at::Tensor cos, sin;        // RoPE caches [max_pos, rot_dim] (float32)
   at::Tensor key_cache, value_cache;  // [num_blocks, block_size, Hkv, D]

@@ -25,7 +25,10 @@ namespace {
 
 using keel::hsum;
 using keel::load16;
+using keel::hsum8;
+using keel::load8;
 using keel::v16;
+using keel::v8;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head kept in registers
 
 template <typename T>
@@ -66,23 +69,26 @@ template <int D, typename T>
 void decode_item(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, int64_t bs,
                  int64_t tok_stride, int64_t start, int64_t len, int64_t G, float scale,
                  float* scores, T* out) {
-  constexpr int C = D / 16;
+  constexpr int C = D / 8;  // 8-lane chunks of a head
   const int64_t n = len - start;
-  v16 qv[kMaxGroup][C];  // the G query heads of this group, pre-scaled
+  v8 qv[kMaxGroup][C];  // the G query heads of this group, pre-scaled
   for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) qv[g][c] = load16(q + g * D + c * 16) * scale;
+    for (int c = 0; c < C; ++c) qv[g][c] = load8(q + g * D + c * 8) * scale;
   for_each_slot(row, bs, start, len, [&](int64_t j, int64_t slot) {
     const T* k = k_ptr + slot * tok_stride;
     // Ask for the value row now: the value pass below then finds it in cache instead of
     // waiting on memory for each row (it was half of this kernel's time).
     const char* v_row = reinterpret_cast<const char*>(v_ptr + slot * tok_stride);
     for (int b = 0; b < D * static_cast<int>(sizeof(T)); b += 64) __builtin_prefetch(v_row + b, 0, 2);
-    v16 kk[C];
-    for (int c = 0; c < C; ++c) kk[c] = load16(k + c * 16);
+    v8 kk[C];
+    for (int c = 0; c < C; ++c) kk[c] = load8(k + c * 8);
     for (int64_t g = 0; g < G; ++g) {
-      v16 a = qv[g][0] * kk[0];
-      for (int c = 1; c < C; ++c) a += qv[g][c] * kk[c];
-      scores[g * n + (j - start)] = hsum(a);
+      v8 a = qv[g][0] * kk[0], b = qv[g][1] * kk[1];  // two chains
+      for (int c = 2; c < C; c += 2) {
+        a += qv[g][c] * kk[c];
+        b += qv[g][c + 1] * kk[c + 1];
+      }
+      scores[g * n + (j - start)] = hsum8(a + b);
     }
   }, reinterpret_cast<const char*>(k_ptr), tok_stride * sizeof(T), D * sizeof(T));
   for (int64_t g = 0; g < G; ++g) {
@@ -104,15 +110,15 @@ void decode_item(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
     for (j = 0; j < n; ++j) s[j] *= inv;
   }
   for (int64_t g = 0; g < G; ++g) {
-    v16 acc[C] = {};
+    v8 acc[C] = {};
     const float* p = scores + g * n;
     for_each_slot(row, bs, start, len, [&](int64_t j, int64_t slot) {
       const T* v = v_ptr + slot * tok_stride;
-      const float w = p[j - start];
-      for (int c = 0; c < C; ++c) acc[c] += w * load16(v + c * 16);
+      const v8 w = v8{} + p[j - start];
+      for (int c = 0; c < C; ++c) acc[c] += w * load8(v + c * 8);
     });
     for (int c = 0; c < C; ++c)
-      for (int i = 0; i < 16; ++i) out[g * D + c * 16 + i] = static_cast<T>(acc[c][i]);
+      for (int i = 0; i < 8; ++i) out[g * D + c * 8 + i] = static_cast<T>(acc[c][i]);
   }
 }
 

@@ -82,6 +82,36 @@ inline v16 round_to(v16 v) {
   }
 }
 
+// 8 lanes: one AVX2 register. GCC lowers 16-lane code badly on AVX2 where a loop mixes
+// vectors with scalars (a scalar times a v16 was broadcast through 16 stack stores), so the
+// paged-attention inner loops use v8, which is native on AVX2 and AVX-512 alike.
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+template <typename T>
+inline v8 load8(const T* p) {
+  v8 v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof(v));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    u16x8 h;
+    std::memcpy(&h, p, sizeof(h));
+    const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+    std::memcpy(&v, &w, sizeof(v));
+  } else {
+    for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  }
+  return v;
+}
+
+inline float hsum8(v8 v) {
+  typedef float v4 __attribute__((vector_size(16)));
+  const v4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const v4 b = a + __builtin_shufflevector(a, a, 2, 3, 0, 1);
+  return b[0] + b[1];
+}
+
 inline float hsum(v16 v) {  // tree reduction: 4 shuffles + adds instead of 15 scalar adds
   v = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);

@@ -1,19 +1,21 @@
 """The fused decode pass: all of a Llama-family model's decoder layers in one C++ call
-(`DecodePlan`, keel/csrc/decode_layers.cpp) for a pass of at most 4 decode rows over keel's
-quantized weights. That is one user's decode, where the weights are small enough that the
-Python between the kernels (~8 ms of a ~20 ms step on the default model, 30 layers x ~10
-module calls, views and splits) cost as much as the quantized GEMVs themselves.
+(`DecodePlan`, keel/csrc/decode_layers.cpp) for a pass whose rows are all decode tokens.
+Between the kernels of a decoder layer the Python layers spend ~10 module calls, views and
+splits: ~8 ms of a ~20 ms step for one user on the default model (quantized), where it cost as
+much as the GEMVs themselves, and ~20 ms of a ~200 ms step at 64 requests (float32).
 
 The plan calls the same kernels as the Python layers, in the same order, with the same
-arguments, so its output is bit-identical to theirs (tests/model_executor/test_fused_decode.py
-checks that); the Python layers stay the path for every other pass and the reference.
+arguments (each linear layer the way `LinearBase._matmul` picks for the pass's row count:
+keel's quantized kernels up to the layer's `max_rows`, else the oneDNN-packed weight, else
+`F.linear`), so its output is bit-identical to theirs
+(tests/model_executor/test_fused_decode.py checks that); the Python layers stay the path for
+every other pass and the reference.
 
 It is taken when all of these hold, else the Python layers run:
-- the model: keel's compiled kernels with the quantized GEMMs (AVX2 + FMA), tensor parallel
-  size 1, float32, a SiLU MLP, every linear of every layer kept quantized in keel's form
-  (int4 groups of 32 with K a multiple of 32, or int8 per row), KV cache bound in float32;
-- the pass: every row is one decode token (no prompt chunk, no draft tokens), and no more rows
-  than every layer's kernel takes (`max_rows`, measured at load; keel's kernels take 4).
+- the model: keel's compiled kernels, tensor parallel size 1, float32 (a bfloat16 model's
+  layers run in Python), a SiLU MLP, every quantized linear in keel's own form (int4 groups
+  of 32 with K a multiple of 32, or int8 per row), KV cache bound in float32;
+- the pass: every row is one decode token (no prompt chunk, no draft tokens).
 `KEEL_FUSED_DECODE=0` turns it off.
 """
 
@@ -28,22 +30,31 @@ import torch
 from keel.attention.forward_context import get_forward_context
 from keel.distributed import get_tensor_model_parallel_world_size
 from keel.model_executor.layers import quantization
-from keel.model_executor.layers.quantization import KEEL_MAX_ROWS, Int4Weight, Int8Weight
+from keel.model_executor.layers.quantization import ALL_ROWS, Int4Weight, Int8Weight
 
 logger = logging.getLogger(__name__)
 
 
-def _linear_args(linear: Any) -> list[torch.Tensor | None] | None:
-    """(q, d, m, bias) of a linear layer kept in keel's quantized form, else None."""
-    w = linear.quant
-    if isinstance(w, Int4Weight) and w.keel is not None and w.keel[0].shape[1] * 2 == (
-            w.in_features):
-        q, d, m = w.keel
-    elif isinstance(w, Int8Weight) and w.scales_f32 is not None:
-        q, d, m = w.q, w.scales_f32, None
-    else:
+def _plan_linear(ops: Any, linear: Any) -> Any:
+    """The layer as a `PlanLinear`, or None where the plan cannot compute it as the Python
+    layer does."""
+    if linear.packed_upcast:  # a bfloat16 weight computed in float32: Python only
         return None
-    return [q, d, m, linear.bias]
+    w = linear.quant
+    q = d = m = None
+    max_rows = 0
+    if w is not None:
+        if isinstance(w, Int4Weight) and w.keel is not None and w.keel[0].shape[1] * 2 == (
+                w.in_features):
+            q, d, m = w.keel
+        elif isinstance(w, Int8Weight) and w.scales_f32 is not None:
+            q, d = w.q, w.scales_f32
+        else:
+            return None
+        max_rows = w.max_rows if linear.has_dense() else ALL_ROWS
+    weight = linear.weight if linear.weight.numel() else None
+    return ops.PlanLinear(q, d, m, max_rows, quantization.ACTIVATION_PARTS,
+                          linear.packed_weight, weight, linear.bias)
 
 
 class FusedDecode:
@@ -52,13 +63,12 @@ class FusedDecode:
 
     def __init__(self) -> None:
         self.plan: Any = None  # the DecodePlan; False once the model is known not to qualify
-        self.max_rows = 0
         self._cache = None  # the first layer's KV cache the plan was built with
 
     def __call__(self, model: Any, positions: torch.Tensor, hidden: torch.Tensor,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden, residual) after the model's layers, or None: run the Python layers."""
-        if self.plan is False or hidden.shape[0] > KEEL_MAX_ROWS:
+        if self.plan is False:
             return None
         if (self.plan is None
                 or model.layers[model.start_layer].self_attn.attn.kv_cache is not self._cache):
@@ -67,9 +77,9 @@ class FusedDecode:
                 return None
         meta = get_forward_context().attn_metadata
         t = hidden.shape[0]
-        if (t > self.max_rows or meta is None or meta.query_rows is not None
-                or meta.long_chunks is not None or meta.num_actual_tokens != t
-                or meta.seq_lens.shape[0] != t or hidden.dtype != torch.float32):
+        if (meta is None or meta.query_rows is not None or meta.long_chunks is not None
+                or meta.num_actual_tokens != t or meta.seq_lens.shape[0] != t
+                or hidden.dtype != torch.float32):
             return None
         return self.plan.run(hidden, residual, positions, meta.block_table, meta.seq_lens,
                              meta.slot_mapping)
@@ -83,33 +93,28 @@ class FusedDecode:
             return None
         ops = get_cpu_ops() if hidden.device.type == "cpu" else None
         if (os.environ.get("KEEL_FUSED_DECODE", "1") == "0" or ops is None
-                or not ops.quant_gemm_available() or not hasattr(ops, "DecodePlan")
+                or not hasattr(ops, "DecodePlan")
                 or get_tensor_model_parallel_world_size() != 1):
             return False
-        plan, max_rows = ops.DecodePlan(), KEEL_MAX_ROWS
+        plan = ops.DecodePlan()
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            args = [_linear_args(lin) for lin in linears]
+            linears = [_plan_linear(ops, lin) for lin in (attn.qkv_proj, attn.o_proj,
+                                                           mlp.gate_up_proj, mlp.down_proj)]
             cache = attn.attn.kv_cache
-            if (any(a is None for a in args) or not mlp.is_silu or cache is None
+            if (any(lin is None for lin in linears) or not mlp.is_silu or cache is None
                     or cache.dtype != torch.float32 or not cache.is_contiguous()
                     or layer.input_layernorm.weight.dtype != torch.float32):
                 return False
-            for lin in linears:
-                if lin.has_dense():
-                    max_rows = min(max_rows, lin.quant.max_rows)
             cos, sin = attn.rotary_emb._cos_sin_in(torch.float32)
             plan.add_layer(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                layer.input_layernorm.eps, [t for a in args for t in a],
+                layer.input_layernorm.eps, linears,
                 None if attn.q_norm is None else attn.q_norm.weight,
                 None if attn.k_norm is None else attn.k_norm.weight,
                 cos, sin, cache, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                attn.attn.scale, attn.attn.sliding_window or 0, quantization.ACTIVATION_PARTS)
-        if max_rows < 1:
-            return False
-        self.max_rows, self._cache = max_rows, layers[0].self_attn.attn.kv_cache
-        logger.info("Decode passes of up to %d rows run the %d decoder layers in one C++ call "
-                    "(keel/csrc/decode_layers.cpp).", max_rows, plan.num_layers)
+                attn.attn.scale, attn.attn.sliding_window or 0)
+        self._cache = layers[0].self_attn.attn.kv_cache
+        logger.info("Decode passes run the %d decoder layers in one C++ call "
+                    "(keel/csrc/decode_layers.cpp).", plan.num_layers)
         return plan

@@ -120,32 +120,36 @@ inline float hsum(v16 v) {  // tree reduction: 4 shuffles + adds instead of 15 s
   return v[0];
 }
 
-// exp(x) for x <= 0 on 16 lanes: 2^(x log2 e) split into 2^k * 2^f, f in [-0.5, 0.5],
-// with a degree-6 polynomial for 2^f (relative error ~2e-7, like expf).
-inline v16 exp16(v16 x) {
-  const v16 lo = v16{} - 87.0f;
+// exp(x) for x <= 0, lane-wise (V: v16 or v8): 2^(x log2 e) split into 2^k * 2^f,
+// f in [-0.5, 0.5], with a degree-6 polynomial for 2^f (relative error ~2e-7, like expf).
+template <typename V>
+inline V expv(V x) {
+  typedef int32_t I __attribute__((vector_size(sizeof(V))));
+  const V lo = V{} - 87.0f;
   x = x < lo ? lo : x;
-  const v16 t = x * 1.4426950408889634f;
+  const V t = x * 1.4426950408889634f;
   // Round to nearest even without a per-lane call: adding and subtracting 1.5 * 2^23 leaves
   // the integer part (exact for |t| < 2^22; here t >= -126). Needs IEEE arithmetic: keel's
   // kernels are never built with -ffast-math.
-  const v16 magic = v16{} + 12582912.0f;
-  const v16 k = (t + magic) - magic;
-  const v16 f = (t - k) * 0.6931471805599453f;  // f = (t - k) ln 2
-  v16 p = v16{} + 1.0f / 720;
+  const V magic = V{} + 12582912.0f;
+  const V k = (t + magic) - magic;
+  const V f = (t - k) * 0.6931471805599453f;  // f = (t - k) ln 2
+  V p = V{} + 1.0f / 720;
   p = p * f + 1.0f / 120;
   p = p * f + 1.0f / 24;
   p = p * f + 1.0f / 6;
   p = p * f + 0.5f;
   p = p * f + 1.0f;
   p = p * f + 1.0f;  // e^f
-  const i32x16 ki = __builtin_convertvector(k, i32x16);
-  i32x16 bits;
+  const I ki = __builtin_convertvector(k, I);
+  I bits;
   std::memcpy(&bits, &p, sizeof(p));
   bits += ki << 23;  // times 2^k
-  v16 out;
+  V out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
 }
+
+inline v16 exp16(v16 x) { return expv(x); }
 
 }  // namespace keel

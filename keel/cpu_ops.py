@@ -13,10 +13,10 @@
   of 32 and integer dot products (`int4_gemm_q8`, `int8_gemm_q8`), or in float32
   (`int4_gemm`, `int8_gemm`); torch's kernels are the fallback and the tests' oracle
   (keel/model_executor/layers/quantization.py).
-- `DecodePlan` (csrc/decode_layers.cpp): a Llama-family model's decoder layers for a decode
-  pass of at most 4 rows over those quantized weights, in one call: the kernels above in the
-  Python layers' order, without the interpreter between them
-  (keel/model_executor/layers/fused_decode.py).
+- `DecodePlan` (csrc/decode_layers.cpp): a Llama-family model's decoder layers for a pass of
+  decode rows, in one call: the kernels above and the layers' GEMMs (oneDNN through the
+  dispatcher, or the quantized kernels) in the Python layers' order, without the
+  interpreter between them (keel/model_executor/layers/fused_decode.py).
 
 They are built with torch's JIT extension builder the first time they are needed (~15 s on 2
 cores: the sources include ATen's core headers, not all of torch/extension.h; cached under

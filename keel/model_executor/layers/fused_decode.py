@@ -2,7 +2,8 @@
 (`DecodePlan`, keel/csrc/decode_layers.cpp) for a pass whose rows are all decode tokens.
 Between the kernels of a decoder layer the Python layers spend ~10 module calls, views and
 splits: ~8 ms of a ~20 ms step for one user on the default model (quantized), where it cost as
-much as the GEMVs themselves, and ~20 ms of a ~200 ms step at 64 requests (float32).
+much as the GEMVs themselves. At 64 requests (float32) the GEMMs dominate and the difference
+was within this machine's noise.
 
 The plan calls the same kernels as the Python layers, in the same order, with the same
 arguments (each linear layer the way `LinearBase._matmul` picks for the pass's row count:

@@ -56,6 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm_", &fused_add_rms_norm_, "residual += x; x = RMSNorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "rotate-half RoPE of q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :n]) * x[:, n:]");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a float32 [rows, n]");
   m.def("int4_gemm", &int4_gemm, "x @ W^T for int4 W (groups of 32), at most 4 rows");
   m.def("int8_gemm", &int8_gemm, "x @ W^T for int8 W (one scale per row), at most 4 rows");
   m.def("int4_gemm_q8", &int4_gemm_q8, "int4_gemm with activations in int8 parts (groups of 32)");

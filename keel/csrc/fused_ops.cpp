@@ -252,3 +252,48 @@ at::Tensor silu_and_mul(at::Tensor x) {
                                   [&] { silu_and_mul_kernel<scalar_t>(x, out); });
   return out;
 }
+
+// The index of each row's largest value, as torch's argmax picks it: the first of equal
+// maxima, and a NaN counts as larger than anything (the first NaN wins). One pass of 8-lane
+// max over the row, one to find where it first occurs; rows split over threads. torch's
+// argmax read [64, 49152] logits at ~4 GB/s here, on one thread.
+at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+              x.size(1) > 0, "argmax_rows: a contiguous float32 [rows, n] tensor expected");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = xp + r * n;
+      typedef int32_t i32x8 __attribute__((vector_size(32)));
+      keel::v8 m = keel::v8{} + row[0];
+      i32x8 nans = {};
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const keel::v8 v = keel::load8(row + i);
+        nans |= v != v;
+        m = v > m ? v : m;
+      }
+      float best = m[0];
+      bool nan = nans[0] != 0;
+      for (int l = 1; l < 8; ++l) {
+        best = std::max(best, m[l]);
+        nan |= nans[l] != 0;
+      }
+      for (int64_t j = i; j < n; ++j) {
+        nan |= row[j] != row[j];
+        best = std::max(best, row[j]);
+      }
+      int64_t idx = 0;
+      if (nan) {
+        while (row[idx] == row[idx]) ++idx;
+      } else {
+        while (row[idx] != best) ++idx;
+      }
+      op[r] = idx;
+    }
+  });
+  return out;
+}

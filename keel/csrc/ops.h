@@ -16,6 +16,7 @@ void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, d
 void rotary_neox_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
                   at::Tensor sin, int64_t head_dim);
 at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor argmax_rows(at::Tensor x);
 at::Tensor int4_gemm(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins);
 at::Tensor int8_gemm(at::Tensor x, at::Tensor q, at::Tensor scale);
 // The same with the activations quantized per group of 32 to `parts` int8 parts (1: int8;

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from keel.cpu_ops import cpu_ops_for
 from keel.outputs import LogprobsLists
 from keel.sample import logits_processors as lp
 from keel.sample.metadata import SamplingMetadata
@@ -34,6 +35,16 @@ class SamplerOutput(NamedTuple):
 # back to a full sort only for rows whose nucleus is larger: a full-vocabulary sort costs ~40x
 # a top-256 on a CPU (64 x 49152 logits: ~300 ms against ~8 ms on 2 cores).
 _NUM_CANDIDATES = 256
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1); on the CPU keel's kernel (the same indices, 4x faster at
+    [64, 49152] here: torch's ran on one thread)."""
+    ops = cpu_ops_for(logits)
+    if ops is not None and logits.dtype == torch.float32 and logits.is_contiguous() and (
+            logits.dim() == 2 and logits.shape[1] > 0):
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def apply_top_k_top_p(
@@ -178,7 +189,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Processed logits -> token ids [num_reqs] int64."""
-        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        greedy = None if meta.all_random else _argmax(logits)
         if meta.all_greedy:
             return greedy
         temperature = meta.temperature

@@ -110,3 +110,20 @@ def test_rms_norm_layer_kernel_and_torch_paths_agree(monkeypatch, dtype):
     want_x, want_res = norm(x, res)
     assert torch.equal(got_res, want_res)
     assert ulps(got_x, want_x) <= 4
+
+
+def test_argmax_rows_equals_torch(ops):
+    """keel's greedy argmax: the same index as torch's, with ties (the first), NaN (the first
+    NaN), +-inf, a row of -inf, and widths that are not a multiple of 8."""
+    x = torch.randn(9, 49157)
+    x[1, 100] = float("nan")
+    x[1, 50] = float("inf")
+    x[2, 7] = x[2, 9] = x[2].max() + 1
+    x[3, -1] = 1e9
+    x[4] = -float("inf")
+    x[5, 3] = x[5, 3 + 8] = float("nan")
+    x[6] = 0.0
+    for t in (x, torch.randn(3, 5), torch.randn(4, 8), torch.randn(1, 1)):
+        assert torch.equal(ops.argmax_rows(t), t.argmax(-1))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.argmax_rows(x.t())

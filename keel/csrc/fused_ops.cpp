@@ -37,7 +37,7 @@ inline int64_t grain_rows(int64_t row_elems) {  // ~16k elements per task
 // y = x * rsqrt(mean(x^2) + eps) rounded to T, then weight * y rounded to T.
 template <typename T>
 inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     // 8-lane vectors (see vec.h), summed in the 16-lane order below: the same bits.
     keel::v8 lo = {}, hi = {};
     int64_t i = 0;
@@ -47,14 +47,14 @@ inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
       hi += b * b;
     }
     float ss = keel::hsum8(lo + hi);
-    for (; i < n; ++i) ss += x[i] * x[i];
+    for (; i < n; ++i) ss += static_cast<float>(x[i]) * static_cast<float>(x[i]);
     const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
     const keel::v8 rv = keel::v8{} + r;
-    for (i = 0; i + 8 <= n; i += 8) {
-      const keel::v8 y = keel::load8(w + i) * (keel::load8(x + i) * rv);
-      std::memcpy(out + i, &y, sizeof(y));
-    }
-    for (; i < n; ++i) out[i] = w[i] * (x[i] * r);
+    for (i = 0; i + 8 <= n; i += 8)
+      keel::store8(out + i, keel::load8(w + i) * keel::round_to8<T>(keel::load8(x + i) * rv));
+    for (; i < n; ++i)
+      out[i] = static_cast<T>(static_cast<float>(w[i]) *
+                              static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * r)));
     return;
   }
   v16 acc = {};
@@ -95,6 +95,9 @@ void fused_add_rms_norm_kernel(at::Tensor& x, at::Tensor& res, const at::Tensor&
       T* xr = xp + r * n;
       T* rr = rp + r * n;
       int64_t i = 0;
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+        for (; i + 8 <= n; i += 8) keel::store8(rr + i, keel::load8(xr + i) + keel::load8(rr + i));
+      }
       for (; i + 16 <= n; i += 16) store16(rr + i, load16(xr + i) + load16(rr + i));
       for (; i < n; ++i)
         rr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
@@ -160,16 +163,14 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
       const T* u = g + inter;
       T* o = op + r * inter;
       int64_t i = 0;
-      if constexpr (std::is_same_v<T, float>) {  // 8 lanes: native on AVX2 (see vec.h)
-        for (; i + 8 <= inter; i += 8) {
-          keel::v8 gv, uv;
-          std::memcpy(&gv, g + i, sizeof(gv));
-          std::memcpy(&uv, u + i, sizeof(uv));
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+        for (; i + 8 <= inter; i += 8) {  // 8 lanes: native on AVX2 (see vec.h)
+          const keel::v8 gv = keel::load8(g + i);
           const keel::v8 ax = gv < 0 ? -gv : gv;
           const keel::v8 ex = keel::expv(-ax);  // exp(-|g|) in (0, 1]
           const keel::v8 num = gv < 0 ? ex : keel::v8{} + 1.0f;
-          const keel::v8 out = gv * (num / (1.0f + ex)) * uv;
-          std::memcpy(o + i, &out, sizeof(out));
+          const keel::v8 silu = gv * (num / (1.0f + ex));
+          keel::store8(o + i, keel::round_to8<T>(silu) * keel::load8(u + i));
         }
       }
       for (; i + 16 <= inter; i += 16) {

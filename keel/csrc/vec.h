@@ -105,6 +105,41 @@ inline v8 load8(const T* p) {
   return v;
 }
 
+template <typename T>
+inline void store8(T* p, v8 v) {  // store16's rounding, 8 lanes
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &v, sizeof(v));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    u32x8 bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    const u32x8 rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16;
+    const u32x8 out = v != v ? u32x8{} + 0x7FC0 : rounded;
+    const u16x8 h = __builtin_convertvector(out, u16x8);
+    std::memcpy(p, &h, sizeof(h));
+  } else {
+    for (int i = 0; i < 8; ++i) p[i] = static_cast<T>(v[i]);
+  }
+}
+
+template <typename T>
+inline v8 round_to8(v8 v) {  // round_to, 8 lanes
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    u32x8 bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    const u32x8 rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000u;
+    const u32x8 out = v != v ? u32x8{} + 0x7FC00000u : rounded;
+    v8 r;
+    std::memcpy(&r, &out, sizeof(r));
+    return r;
+  } else {
+    T tmp[8];
+    store8(tmp, v);
+    return load8(tmp);
+  }
+}
+
 inline float hsum8(v8 v) {
   typedef float v4 __attribute__((vector_size(16)));
   const v4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);

@@ -148,7 +148,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
                      if self.is_last_rank else PPMissingLayer())
-        self.fused_decode = FusedDecode()  # one user's decode over quantized weights
+        self.fused_decode = FusedDecode()  # decode passes in one C++ call (fused_decode.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None

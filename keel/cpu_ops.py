@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_gemm.cpp",
-            "decode_layers.cpp")
+            "quant_gemm_q8.cpp", "decode_layers.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _module: Any = None
 _tried = False

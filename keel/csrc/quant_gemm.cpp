@@ -34,6 +34,7 @@ bool quant_gemm_available() { return true; }
 
 namespace {
 
+using keel::quant::check_int4;
 using keel::quant::check_x;
 using keel::quant::hsum8;
 using keel::quant::to_f32;
@@ -128,13 +129,8 @@ void int4_dispatch(int64_t m, const uint8_t* q, const S* d, const S* mins, const
 
 at::Tensor int4_gemm(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins) {
   const int64_t n = q.size(0), k = q.size(1) * 2, groups = k / 32, m = x.size(0);
-  TORCH_CHECK(k % 32 == 0 && q.scalar_type() == at::kByte && q.is_contiguous(),
-              "int4_gemm: q must be contiguous uint8 [N, K/2] with K a multiple of 32");
+  check_int4("int4_gemm", q, d, mins);
   const auto st = d.scalar_type();
-  TORCH_CHECK(d.is_contiguous() && mins.is_contiguous() && mins.scalar_type() == st &&
-              (st == at::kFloat || st == at::kHalf) && d.numel() == n * groups &&
-              mins.numel() == n * groups,
-              "int4_gemm: d and m must be contiguous float32 or float16 [N, K/32]");
   check_x(x, k);
   std::vector<float> xd(m * k), xsum(m * groups);
   const float* xp = x.data_ptr<float>();

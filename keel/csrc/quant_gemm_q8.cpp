@@ -22,6 +22,7 @@
 
 namespace {
 
+using keel::quant::check_int4;
 using keel::quant::check_x;
 using keel::quant::hsum8;
 using keel::quant::to_f32;
@@ -193,13 +194,8 @@ void quantize_groups(const float* x, int64_t m, int64_t k, bool deinterleave, in
 template <int P>
 at::Tensor int4_q8(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins) {
   const int64_t n = q.size(0), k = q.size(1) * 2, groups = k / 32, m = x.size(0);
-  TORCH_CHECK(k % 32 == 0 && q.scalar_type() == at::kByte && q.is_contiguous(),
-              "int4_gemm_q8: q must be contiguous uint8 [N, K/2] with K a multiple of 32");
+  check_int4("int4_gemm_q8", q, d, mins);
   const auto st = d.scalar_type();
-  TORCH_CHECK(d.is_contiguous() && mins.is_contiguous() && mins.scalar_type() == st &&
-              (st == at::kFloat || st == at::kHalf) && d.numel() == n * groups &&
-              mins.numel() == n * groups,
-              "int4_gemm_q8: d and m must be contiguous float32 or float16 [N, K/32]");
   check_x(x, k);
   const int64_t stride = (groups + 7) / 8 * 8;
   std::vector<int8_t> xq(m * k * P);

@@ -23,122 +23,94 @@
 namespace keel {
 
 typedef float v16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-template <typename T>
-inline v16 load16(const T* p) {
-  v16 v;
+// 8 lanes: one AVX2 register. GCC lowers 16-lane code badly on AVX2 where a loop mixes
+// vectors with scalars (a scalar times a v16 was broadcast through 16 stack stores), so the
+// hot inner loops use v8, which is native on AVX2 and AVX-512 alike.
+typedef float v8 __attribute__((vector_size(32)));
+
+// The 16- and 32-bit integer vectors of N lanes (named per N: GCC does not treat a
+// vector_size that depends on a template parameter as a vector in __builtin_convertvector).
+template <int N> struct lanes;
+template <> struct lanes<16> {
+  typedef uint16_t h __attribute__((vector_size(32)));
+  typedef uint32_t u __attribute__((vector_size(64)));
+};
+template <> struct lanes<8> {
+  typedef uint16_t h __attribute__((vector_size(16)));
+  typedef uint32_t u __attribute__((vector_size(32)));
+};
+
+// Loads widen float / bfloat16 / half to float lanes; stores round back the way torch does.
+// V is v16 or v8 (N lanes).
+template <typename V, typename T>
+inline V loadv(const T* p) {
+  constexpr int N = sizeof(V) / sizeof(float);
+  using H = typename lanes<N>::h;
+  using U = typename lanes<N>::u;
+  V v;
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(&v, p, sizeof(v));
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // bfloat16 is the top half of a float32: widen and shift, 16 at a time.
-    u16x16 h;
+    // bfloat16 is the top half of a float32: widen and shift, N at a time.
+    H h;
     std::memcpy(&h, p, sizeof(h));
-    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    const U w = __builtin_convertvector(h, U) << 16;
     std::memcpy(&v, &w, sizeof(v));
   } else {
-    for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+    for (int i = 0; i < N; ++i) v[i] = static_cast<float>(p[i]);
   }
   return v;
 }
 
-template <typename T>
-inline void store16(T* p, v16 v) {
+template <typename T, typename V>
+inline void storev(T* p, V v) {
+  constexpr int N = sizeof(V) / sizeof(float);
+  using H = typename lanes<N>::h;
+  using U = typename lanes<N>::u;
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(p, &v, sizeof(v));
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     // Round to nearest even, as c10::BFloat16(float) does; NaN stays a quiet NaN.
-    u32x16 bits;
+    U bits;
     std::memcpy(&bits, &v, sizeof(bits));
-    const u32x16 rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16;
-    const u32x16 nan = u32x16{} + 0x7FC0;
-    const u32x16 out = v != v ? nan : rounded;
-    const u16x16 h = __builtin_convertvector(out, u16x16);
+    const U rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16;
+    const U out = v != v ? U{} + 0x7FC0 : rounded;
+    const H h = __builtin_convertvector(out, H);
     std::memcpy(p, &h, sizeof(h));
   } else {
-    for (int i = 0; i < 16; ++i) p[i] = static_cast<T>(v[i]);
+    for (int i = 0; i < N; ++i) p[i] = static_cast<T>(v[i]);
   }
 }
 
 // v rounded to T's precision and back (a no-op for float): where torch would store a T.
-template <typename T>
-inline v16 round_to(v16 v) {
+template <typename T, typename V>
+inline V round_tov(V v) {
+  constexpr int N = sizeof(V) / sizeof(float);
+  using U = typename lanes<N>::u;
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    u32x16 bits;  // store16's rounding, kept in the top half of a float32
+    U bits;  // storev's rounding, kept in the top half of a float32
     std::memcpy(&bits, &v, sizeof(bits));
-    const u32x16 rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000u;
-    const u32x16 out = v != v ? u32x16{} + 0x7FC00000u : rounded;
-    v16 r;
+    const U rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000u;
+    const U out = v != v ? U{} + 0x7FC00000u : rounded;
+    V r;
     std::memcpy(&r, &out, sizeof(r));
     return r;
   } else {
-    T tmp[16];
-    store16(tmp, v);
-    return load16(tmp);
+    T tmp[N];
+    storev(tmp, v);
+    return loadv<V>(tmp);
   }
 }
 
-// 8 lanes: one AVX2 register. GCC lowers 16-lane code badly on AVX2 where a loop mixes
-// vectors with scalars (a scalar times a v16 was broadcast through 16 stack stores), so the
-// paged-attention inner loops use v8, which is native on AVX2 and AVX-512 alike.
-typedef float v8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-template <typename T>
-inline v8 load8(const T* p) {
-  v8 v;
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&v, p, sizeof(v));
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    u16x8 h;
-    std::memcpy(&h, p, sizeof(h));
-    const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-    std::memcpy(&v, &w, sizeof(v));
-  } else {
-    for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
-  }
-  return v;
-}
-
-template <typename T>
-inline void store8(T* p, v8 v) {  // store16's rounding, 8 lanes
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(p, &v, sizeof(v));
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    u32x8 bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    const u32x8 rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16;
-    const u32x8 out = v != v ? u32x8{} + 0x7FC0 : rounded;
-    const u16x8 h = __builtin_convertvector(out, u16x8);
-    std::memcpy(p, &h, sizeof(h));
-  } else {
-    for (int i = 0; i < 8; ++i) p[i] = static_cast<T>(v[i]);
-  }
-}
-
-template <typename T>
-inline v8 round_to8(v8 v) {  // round_to, 8 lanes
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    u32x8 bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    const u32x8 rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000u;
-    const u32x8 out = v != v ? u32x8{} + 0x7FC00000u : rounded;
-    v8 r;
-    std::memcpy(&r, &out, sizeof(r));
-    return r;
-  } else {
-    T tmp[8];
-    store8(tmp, v);
-    return load8(tmp);
-  }
-}
+template <typename T> inline v16 load16(const T* p) { return loadv<v16>(p); }
+template <typename T> inline void store16(T* p, v16 v) { storev(p, v); }
+template <typename T> inline v16 round_to(v16 v) { return round_tov<T>(v); }
+template <typename T> inline v8 load8(const T* p) { return loadv<v8>(p); }
+template <typename T> inline void store8(T* p, v8 v) { storev(p, v); }
+template <typename T> inline v8 round_to8(v8 v) { return round_tov<T>(v); }
 
 inline float hsum8(v8 v) {
   typedef float v4 __attribute__((vector_size(16)));

@@ -64,6 +64,7 @@ class ModelConfig:
     quantization_method: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        from keel.model_executor.hf_config import load_hf_config
         from keel.model_executor.models import resolve_architecture
 
         if self.runner not in ("auto", "generate", "pooling"):
@@ -200,24 +201,6 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"Model folder {str(path)!r} has no config.json.")
     return path
-
-
-def load_hf_config(path: Path) -> Any:
-    """Parse config.json with transformers, which reads both the old (`rope_theta`,
-    `rope_scaling`, `torch_dtype`) and the new (`rope_parameters`, `dtype`) forms."""
-    from transformers import AutoConfig
-
-    try:
-        json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from e
-    try:
-        config = AutoConfig.from_pretrained(str(path))
-    except (ValueError, KeyError, OSError) as e:
-        raise ValueError(f"Cannot parse {path / 'config.json'}: {e}") from e
-    if not getattr(config, "architectures", None):
-        raise ValueError(f"{path / 'config.json'} has no 'architectures' entry.")
-    return config
 
 
 @dataclass

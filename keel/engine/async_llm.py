@@ -41,7 +41,8 @@ class AsyncLLM:
         import torch
 
         torch.set_num_threads(1)
-        self.tokenizer = load_tokenizer(config.model_config.model_path)
+        self.tokenizer = load_tokenizer(config.model_config.model_path,
+                                        config.model_config.hf_config)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])

@@ -31,7 +31,8 @@ class LLM:
         tensor_parallel_size."""
         config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.config = config
-        self.tokenizer = load_tokenizer(config.model_config.model_path)
+        self.tokenizer = load_tokenizer(config.model_config.model_path,
+                                        config.model_config.hf_config)
         self.engine_core = EngineCore(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -184,9 +185,20 @@ class LLM:
     close = shutdown
 
 
-def load_tokenizer(path):
+def load_tokenizer(path, hf_config=None):
+    """The folder's tokenizer. With keel's own `HFConfig` (keel/model_executor/hf_config.py)
+    it is handed to AutoTokenizer, which would otherwise import transformers' config classes
+    (~1.3 s) only to learn the model type; if that fails, AutoTokenizer reads the folder
+    itself."""
     from transformers import AutoTokenizer
 
+    from keel.model_executor.hf_config import HFConfig
+
+    if isinstance(hf_config, HFConfig):
+        try:
+            return AutoTokenizer.from_pretrained(str(path), config=hf_config)
+        except Exception as e:  # noqa: BLE001 - the plain call below reports the real problem
+            logger.debug("AutoTokenizer with keel's config failed (%s); reading the folder", e)
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as e:

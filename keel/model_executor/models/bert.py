@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from keel.attention.layer import EncoderOnlyAttention
+from keel.model_executor.layers.activation import get_act_fn
 from keel.model_executor.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -90,7 +90,7 @@ class BertIntermediate(nn.Module):
         super().__init__()
         self.dense = ColumnParallelLinear(config.hidden_size, config.intermediate_size,
                                           bias=True, dtype=dtype)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = get_act_fn(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(x))

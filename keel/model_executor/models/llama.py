@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from keel.attention.layer import Attention
 from keel.cpu_ops import cpu_ops_for
@@ -22,6 +21,7 @@ from keel.distributed import (
     get_pipeline_model_parallel_world_size,
     get_pp_indices,
 )
+from keel.model_executor.layers.activation import get_act_fn
 from keel.model_executor.layers.fused_decode import FusedDecode
 from keel.model_executor.layers.layernorm import RMSNorm
 from keel.model_executor.layers.linear import (
@@ -90,7 +90,7 @@ class LlamaMLP(nn.Module):
             config.hidden_size, [inter, inter], bias=bias, dtype=dtype
         )
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = get_act_fn(config.hidden_act)
         self.is_silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -319,7 +319,8 @@ def main() -> None:
 
     import torch
 
-    from keel.config import load_hf_config, resolve_model_path
+    from keel.config import resolve_model_path
+    from keel.model_executor.hf_config import load_hf_config
 
     folder = resolve_model_path(args.model)  # a .gguf is converted (once, cached)
     served_name = DEFAULT_SERVED_NAME if args.model is None else Path(args.model).stem

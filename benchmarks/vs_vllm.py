@@ -247,7 +247,8 @@ def report(args) -> None:
 
     import torch
 
-    from keel.config import load_hf_config, resolve_model_path
+    from keel.config import resolve_model_path
+    from keel.model_executor.hf_config import load_hf_config
     from keel.utils import cpu_model
 
     folder = resolve_model_path(args.model)

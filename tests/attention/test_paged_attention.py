@@ -148,14 +148,15 @@ def test_kernel_kv_write_matches_index_copy_and_checks_slots():
     ops = get_cpu_ops()
     assert ops is not None
     g = torch.Generator().manual_seed(3)
-    cache = torch.zeros(2, 6, 4, 3, 8)
+    cache = torch.zeros(2, 12, 4, 3, 8)
     want = cache.clone()
-    kv = torch.randn(5, 2 * 3 * 8, generator=g)  # one [T, k | v] buffer: strided rows
-    key, value = kv[:, :24].view(5, 3, 8), kv[:, 24:].view(5, 3, 8)
-    slots = torch.tensor([7, 0, 23, 12, 5])
+    T = 40  # more rows than one thread's share (16): the rows are written on both threads
+    kv = torch.randn(T, 2 * 3 * 8, generator=g)  # one [T, k | v] buffer: strided rows
+    key, value = kv[:, :24].view(T, 3, 8), kv[:, 24:].view(T, 3, 8)
+    slots = torch.randperm(48, generator=g)[:T]
     want[0].view(-1, 3, 8).index_copy_(0, slots, key)
     want[1].view(-1, 3, 8).index_copy_(0, slots, value)
     ops.write_kv_cache(key, value, cache[0], cache[1], slots)
     assert torch.equal(cache, want)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        ops.write_kv_cache(key, value, cache[0], cache[1], torch.tensor([0, 1, 2, 3, 24]))
+        ops.write_kv_cache(key[:5], value[:5], cache[0], cache[1], torch.tensor([0, 1, 2, 3, 48]))

@@ -63,7 +63,10 @@ def child_keel(args, prompts: dict) -> dict:
     from keel import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.folder, dtype=args.dtype)
+    if args.dtype == "w8a8":  # opt-in int8 weights and activations, over the float32 model
+        llm = LLM(model=args.folder, dtype="float32", quantization="w8a8")
+    else:
+        llm = LLM(model=args.folder, dtype=args.dtype)
     startup = time.perf_counter() - t0
     dtype = str(llm.engine_core.config.model_config.torch_dtype).replace("torch.", "")
     out = {"startup_s": startup, "dtype": dtype,
@@ -220,6 +223,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: keel's)")
     ap.add_argument("--vllm-python", default="/tmp/vllm-cpu-venv/bin/python")
     ap.add_argument("--no-floor", dest="floor", action="store_false")
+    ap.add_argument("--keel-w8a8", action="store_true",
+                    help="also run keel with quantization='w8a8' (opt-in, lossy)")
     # Child process arguments.
     ap.add_argument("--child", choices=CHILDREN, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -267,6 +272,8 @@ def report(args) -> None:
                                              else args.dtypes)]
     if "keel" in args.engines:
         runs.insert(0, ("keel", "auto"))
+        if args.keel_w8a8:
+            runs.insert(1, ("keel", "w8a8"))
     best: dict[tuple[str, str], dict] = {}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
@@ -308,12 +315,13 @@ def print_tables(args, best: dict) -> None:
         print(f"\n{w} prompts {WORKLOADS[w][0]}-{WORKLOADS[w][1]} tokens (output tokens/s):")
         for engine, dtype in sorted(best):
             print(f"  {engine:5s} {dtype:9s} {tok(engine, dtype, w):8.1f}")
-        keel_auto = tok("keel", "auto", w)
-        for peer in ("vllm", "hf"):
-            peer_best = max((tok(peer, d, w) or 0, d) for d in args.dtypes + ["float32"])
-            if keel_auto and peer_best[0]:
-                print(f"  keel auto / {peer} best ({peer_best[1]}): "
-                      f"{keel_auto / peer_best[0]:.2f}x")
+        for mode in ("auto", "w8a8"):
+            mine = tok("keel", mode, w)
+            for peer in ("vllm", "hf"):
+                peer_best = max((tok(peer, d, w) or 0, d) for d in args.dtypes + ["float32"])
+                if mine and peer_best[0]:
+                    print(f"  keel {mode} / {peer} best ({peer_best[1]}): "
+                          f"{mine / peer_best[0]:.2f}x")
         for d in args.dtypes:
             k, v = tok("keel", d, w), tok("vllm", d, w)
             if k and v:

@@ -50,7 +50,8 @@ class ModelConfig:
     # sentence-transformers folder or a bare `*Model` architecture (BertModel, Qwen3Model).
     runner: str = "auto"
     # Weights kept quantized in memory (keel/model_executor/quantize_model.py): "auto" (a
-    # .gguf file's own 4-bit blocks, else none), "gguf", "int8", "int4", or None / "none".
+    # .gguf file's own 4-bit blocks, else none), "gguf", "int8", "int4", "w8a8" (int8
+    # weights and activations, lossy), or None / "none".
     quantization: str | None = "auto"
     quantization_group_size: int | None = None  # int4's group (default: 128, 64 or 32)
     # Filled in by __post_init__.
@@ -131,10 +132,11 @@ class ModelConfig:
         elif q == "gguf" and not from_gguf:
             raise ValueError("quantization='gguf' needs a .gguf model file: for a Hugging Face "
                              "folder use 'int8' or 'int4'.")
-        elif q in ("gguf", "int8", "int4"):
+        elif q in ("gguf", "int8", "int4", "w8a8"):
             method = q
         else:
-            raise ValueError(f"Unknown quantization {q!r}: use auto, gguf, int8, int4 or none.")
+            raise ValueError(f"Unknown quantization {q!r}: use auto, gguf, int8, int4, w8a8 "
+                             "or none.")
         g = self.quantization_group_size
         if g is not None and (method != "int4" or g not in (32, 64, 128)):
             raise ValueError(f"quantization_group_size={g}: only with quantization='int4', "

@@ -39,7 +39,7 @@ class EngineArgs:
     speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 3}
     trace_path: str | None = None  # record each step's persistent batch (keel trace view)
     runner: str = "auto"  # "generate" | "pooling" (embeddings) | "auto" (from the folder)
-    quantization: str | None = "auto"  # "gguf" | "int8" | "int4" | None; auto: a .gguf stays
+    quantization: str | None = "auto"  # gguf | int8 | int4 | w8a8 | None; auto: a .gguf stays
     quantization_group_size: int | None = None
 
     @classmethod

@@ -55,9 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV cache of shared prompt prefixes")
     p.add_argument("--quantization", "-q", default="auto", type=lambda v: None if v == "none"
-                   else v, choices=["auto", "gguf", "int8", "int4", None], metavar="Q",
-                   help="keep weights quantized in memory: auto (a .gguf file's own 4-bit "
-                   "blocks), gguf, int8, int4 (weight-only), none (dequantize)")
+                   else v, choices=["auto", "gguf", "int8", "int4", "w8a8", None],
+                   metavar="Q", help="keep weights quantized in memory: auto (a .gguf file's "
+                   "own 4-bit blocks), gguf, int8, int4 (weight-only), w8a8 (int8 weights and "
+                   "activations: faster for many requests, lossy), none (dequantize)")
     p.add_argument("--quantization-group-size", type=int, default=None, choices=[32, 64, 128],
                    help="int4's group along K (default: the largest of 128, 64, 32 dividing K)")
     p.add_argument("--trace", dest="trace_path", default=None, metavar="FILE",

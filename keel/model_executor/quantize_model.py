@@ -8,6 +8,9 @@
   reads only the pass's rows, so its bytes do not grow with the model's size per token).
 - `"int8"` / `"int4"` (any HF model): linear layers int8 per row / int4 in groups of
   `group_size` (the largest of 128, 64, 32 that divides K by default); the LM head int8.
+- `"w8a8"` (any HF model, opt-in, lossy): linear layers int8 per row with int8 activations
+  per token (layers/quantization.py `W8A8Weight`), the LM head dense: for many requests at
+  once, where the weight-only forms fall back to the dense GEMM.
 
 Logs which weights are quantized and how many bytes one token reads.
 """
@@ -33,6 +36,7 @@ from keel.model_executor.layers.quantization import (
     choose_group_size,
     pack_int4,
     pack_int8,
+    pack_w8a8,
     quantize_int4,
     quantize_int8,
     quantized_linear,
@@ -40,7 +44,7 @@ from keel.model_executor.layers.quantization import (
 from keel.model_executor.layers.vocab_embedding import ParallelLMHead
 
 logger = logging.getLogger(__name__)
-METHODS = ("gguf", "int8", "int4")
+METHODS = ("gguf", "int8", "int4", "w8a8")
 MiB = 1 << 20
 
 
@@ -68,6 +72,10 @@ def quantize_model(model: nn.Module, method: str, folder: Path,
             elif method == "int8":
                 module.quant = pack_int8(*quantize_int8(weight.data))
                 kind = "int8"
+            elif method == "w8a8":  # every pass size: no dense copy kept
+                module.quant = pack_w8a8(weight.data)
+                module.weight = nn.Parameter(weight.new_empty(0), False)
+                kind = "w8a8 (int8 weights and activations)"
             else:
                 g = choose_group_size(weight.shape[1], group_size)
                 module.quant = pack_int4(*_int4_padded(weight.data, g), g)
@@ -83,7 +91,9 @@ def quantize_model(model: nn.Module, method: str, folder: Path,
         dense_bytes += head_bytes
         # A GGUF file without an output tensor ties the LM head to the embedding table.
         head_type = types.get("lm_head.weight") or types.get("model.embed_tokens.weight", "F32")
-        if method != "gguf" or head_type in INT4_TYPES + INT8_TYPES:
+        if method == "w8a8":  # the LM head stays dense, as in vLLM's W8A8 checkpoints
+            quant_bytes += head_bytes
+        elif method != "gguf" or head_type in INT4_TYPES + INT8_TYPES:
             head.quant = pack_int8(*quantize_int8(head.weight.data))
             kinds[f"lm_head int8 (from {head_type if method == 'gguf' else 'float'})"] += 1
             quant_bytes += head.quant.nbytes

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,24 @@ class Int8Weight:
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
 
 
-QuantizedWeight = Int4Weight | Int8Weight
+@dataclass
+class W8A8Weight:
+    """`quantization="w8a8"`: int8 weights per output row *and* int8 activations per token,
+    through torch's fbgemm GEMM (`quantized::linear_dynamic`: u8 x s8 products, int32 sums),
+    at every pass size. fbgemm takes one activation scale per pass; keel divides each row by
+    its own max |x| first (and multiplies the output back), which makes that one scale a
+    per-token one. The activations get 7 bits (`reduce_range`: without VNNI, u8 x s8 pairs
+    could overflow int16), so each input is within max|x_row| / 127 and each weight within
+    max|W_row| / 254: lossy, and opt-in, like vLLM's W8A8."""
+
+    packed: object  # fbgemm's LinearPackedParams
+    out_features: int
+    in_features: int
+    nbytes: int
+    max_rows: int = ALL_ROWS
+
+
+QuantizedWeight = Int4Weight | Int8Weight | W8A8Weight
 
 
 def choose_group_size(k: int, wanted: int | None = None) -> int:
@@ -157,6 +175,37 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor,
     return Int8Weight(q.contiguous(), scale.to(dtype).contiguous(), q.shape[0], scales_f32=f32)
 
 
+def w8a8_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def pack_w8a8(w: torch.Tensor) -> W8A8Weight:
+    if not w8a8_available():
+        raise NotImplementedError("quantization='w8a8' needs torch's fbgemm (x86 CPUs); this "
+                                  "torch has none: use int8 (weight-only) instead.")
+    q, scale = quantize_int8(w)
+    n = q.shape[0]
+    engine = torch.backends.quantized.engine
+    with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's op is not
+        warnings.simplefilter("ignore", UserWarning)
+        qw = torch._make_per_channel_quantized_tensor(q, scale.double(),
+                                                      torch.zeros(n, dtype=torch.long), 0)
+        try:
+            torch.backends.quantized.engine = "fbgemm"
+            packed = torch.ops.quantized.linear_prepack(qw, None)
+        finally:
+            torch.backends.quantized.engine = engine
+    return W8A8Weight(packed, n, q.shape[1], q.numel() + scale.numel() * 4)
+
+
+def w8a8_linear(x: torch.Tensor, w: W8A8Weight) -> torch.Tensor:
+    """x [T, K] @ W^T in x's dtype, with x as int8 per token (see W8A8Weight)."""
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
+    out = torch.ops.quantized.linear_dynamic(xf / s, w.packed, True).mul_(s)
+    return out.to(x.dtype)
+
+
 def _keel_ops():
     """keel's compiled kernels when they include the quantized GEMMs (AVX2 + FMA CPUs)."""
     from keel.cpu_ops import get_cpu_ops
@@ -215,6 +264,9 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | N
     activations as ACTIVATION_PARTS, or `activation_parts`, says; else bfloat16 inputs in
     torch's)."""
     dtype = x.dtype
+    if isinstance(w, W8A8Weight):
+        out = w8a8_linear(x, w)
+        return out if bias is None else out + bias
     if (w.keel if isinstance(w, Int4Weight) else w.scales_f32) is not None:
         out = _keel_linear(x, w, activation_parts)
     elif isinstance(w, Int8Weight):
@@ -237,6 +289,8 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
     """The float32 weight [N, K] the kernel computes with (tests, and rows of a table)."""
     if isinstance(w, Int8Weight):
         return w.q.float() * w.scales.float()[:, None]
+    if isinstance(w, W8A8Weight):
+        return torch.ops.quantized.linear_unpack(w.packed)[0].dequantize()
     eye = torch.eye(w.in_features, dtype=torch.bfloat16 if w.keel is None else torch.float32)
     return quantized_linear(eye, w, activation_parts=0).float().t().contiguous()
 

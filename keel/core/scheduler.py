@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from keel.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from keel.core.kv_cache_manager import KVCacheManager
@@ -23,6 +23,7 @@ from keel.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from keel.core.sched_utils import advance_grammar, check_stop, finish_pooled
 from keel.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from keel.request import Request, RequestStatus
 from keel.spec_decode.stats import SpecDecodingStats, can_speculate
@@ -353,7 +354,7 @@ class Scheduler:
                 continue  # aborted during the step
             if pooler_output is not None:  # a pooling model: done once its prompt is
                 if pooler_output[row] is not None:
-                    outputs.append(self._finish_pooled(request, pooler_output[row]))
+                    outputs.append(finish_pooled(request, pooler_output[row]))
                     stopped.append(request)
                 continue
             new_token_ids = sampled[row]
@@ -378,8 +379,8 @@ class Scheduler:
             grammar = request.structured_output_request
             for i, token in enumerate(new_token_ids):
                 request.output_token_ids.append(token)
-                finished = ((grammar is not None and not self._advance_grammar(request, token))
-                            or self._check_stop(request))
+                finished = ((grammar is not None and not advance_grammar(request, token))
+                            or check_stop(request, self.max_model_len))
                 if finished:
                     new_token_ids = new_token_ids[: i + 1]
                     stopped.append(request)
@@ -419,45 +420,3 @@ class Scheduler:
             finished_ids.update(o.request_id for o in self._pending_outputs)
             self._pending_outputs = []
         return {0: EngineCoreOutputs(outputs, finished_ids)}
-
-    @staticmethod
-    def _finish_pooled(request: Request, pooled: Any) -> EngineCoreOutput:
-        request.status = RequestStatus.FINISHED_STOPPED
-        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
-                                finish_reason="stop", num_preemptions=request.num_preemptions,
-                                num_cached_tokens=request.num_cached_tokens,
-                                pooling_output=pooled)
-
-    def _advance_grammar(self, request: Request, token: int) -> bool:
-        """Feed the sampled token to the request's matcher; False when that finishes the
-        request: the grammar is complete ("stop"), or it rejects the token, which the bitmask
-        should have made impossible (an engine bug: logged, the request ends with "error",
-        the engine goes on)."""
-        grammar = request.structured_output_request
-        if not grammar.accept_token(token):
-            logger.error("Request %s: the grammar rejected sampled token %d; finishing it "
-                         "with an error.", request.request_id, token)
-            request.status = RequestStatus.FINISHED_ERROR
-            return False
-        if grammar.is_terminated():
-            request.status = RequestStatus.FINISHED_STOPPED
-            return False
-        return True
-
-    def _check_stop(self, request: Request) -> bool:
-        """EOS (unless ignore_eos) and the stop token ids, once min_tokens are out; then the
-        length cap. A stop token that is also the last allowed one reports "stop". Stop strings
-        are the front end's (they need text)."""
-        sp = request.sampling_params
-        num_output = len(request.output_token_ids)
-        last = request.output_token_ids[-1]
-        if num_output >= sp.min_tokens and not sp.ignore_eos and last == request.eos_token_id:
-            request.status = RequestStatus.FINISHED_STOPPED
-        elif num_output >= sp.min_tokens and last in sp.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
-        elif num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        else:
-            return False
-        return True

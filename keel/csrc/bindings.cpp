@@ -1,6 +1,7 @@
 // Python bindings of keel's CPU kernels (built by keel/cpu_ops.py). torch's pybind11 casters
 // for tensors only: the whole of torch/extension.h took ~15 s more to compile.
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "decode_layers.h"
@@ -11,8 +12,9 @@ namespace {
 PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
                        std::optional<at::Tensor> m, int64_t max_rows, int64_t act_parts,
                        std::optional<at::Tensor> packed, std::optional<at::Tensor> weight,
-                       std::optional<at::Tensor> bias) {
+                       std::optional<at::Tensor> bias, pybind11::object w8a8) {
   PlanLinear lin;
+  if (!w8a8.is_none()) lin.w8a8 = torch::jit::toIValue(w8a8, c10::AnyType::get());
   if (max_rows > 0) {
     TORCH_CHECK(q.has_value() && d.has_value() &&
                     q->scalar_type() == (m.has_value() ? at::kByte : at::kChar),
@@ -26,7 +28,8 @@ PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
   lin.packed = packed.value_or(at::Tensor());
   lin.weight = weight.value_or(at::Tensor());
   lin.bias = bias.value_or(at::Tensor());
-  TORCH_CHECK(lin.packed.defined() || (lin.weight.defined() && lin.weight.numel() > 0) ||
+  TORCH_CHECK(!lin.w8a8.isNone() || lin.packed.defined() ||
+                  (lin.weight.defined() && lin.weight.numel() > 0) ||
                   max_rows >= (int64_t{1} << 62),
               "PlanLinear: a layer without a dense weight must take every pass quantized");
   return lin;
@@ -64,9 +67,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ W^T for keel's int4 / int8 weights, <= 4 rows");
   m.def("quant_gemm_available", &quant_gemm_available, "built with AVX2 + FMA");
   pybind11::class_<PlanLinear>(m, "PlanLinear", "one linear layer of a DecodePlan")
-      .def(pybind11::init(&make_linear),
-           "(q, d, m, max_rows, act_parts, packed, weight, bias): the quantized form (used up "
-           "to max_rows rows; 0: none), the oneDNN-packed and the dense weight");
+      .def(pybind11::init(&make_linear), pybind11::arg("q"), pybind11::arg("d"),
+           pybind11::arg("m"), pybind11::arg("max_rows"), pybind11::arg("act_parts"),
+           pybind11::arg("packed"), pybind11::arg("weight"), pybind11::arg("bias"),
+           pybind11::arg("w8a8") = pybind11::none(),
+           "(q, d, m, max_rows, act_parts, packed, weight, bias, w8a8=None): the quantized "
+           "form (used up to max_rows rows; 0: none), the oneDNN-packed and the dense weight, "
+           "or fbgemm's packed w8a8 weight");
   pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a decode pass in one call")
       .def(pybind11::init<>())
       .def("add_layer", &add_layer, "one Llama-family decoder layer's weights and cache")

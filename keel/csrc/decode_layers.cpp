@@ -4,7 +4,13 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/abs.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/amax.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/div.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/linear.h>
 
 #include <string_view>
@@ -28,9 +34,25 @@ at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed,
                  std::string_view(""));
 }
 
+// torch.ops.quantized.linear_dynamic(x, packed, reduce_range=True), boxed: the packed weight
+// is a script object, passed through as the IValue Python gave.
+at::Tensor linear_dynamic(const at::Tensor& x, const c10::IValue& packed) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
+  std::vector<c10::IValue> stack{x, packed, true};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 }  // namespace
 
 at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
+  if (!w8a8.isNone()) {  // layers/quantization.py w8a8_linear: one scale per token
+    const at::Tensor xf = x.to(at::kFloat);
+    const at::Tensor s = xf.abs().amax({-1}, true).clamp_(1e-30);
+    at::Tensor out = linear_dynamic(xf.div(s), w8a8).mul_(s).to(x.scalar_type());
+    return bias.defined() ? out.add(bias) : out;
+  }
   const int64_t rows = x.size(0);
   if (max_rows > 0 && rows <= max_rows) {  // quantized_linear: 4 rows a call, then bias
     at::Tensor out;

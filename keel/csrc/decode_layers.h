@@ -11,6 +11,8 @@
 
 #include "ops.h"
 
+#include <ATen/core/ivalue.h>
+
 #include <vector>
 
 // x @ W^T (+ bias), as keel's LinearBase._matmul computes it: on keel's quantized kernels
@@ -23,6 +25,9 @@ struct PlanLinear {
   int64_t max_rows = 0;         // quantized kernels up to this many rows (0: no quantized form)
   int64_t act_parts = 0;        // quant_linear's activations, as the Python layers choose
   at::Tensor packed, weight, bias;  // oneDNN-packed / dense weight, bias; each may be undefined
+  // quantization="w8a8": fbgemm's packed int8 weight (a LinearPackedParams script object),
+  // run as quantized_linear runs it, at every pass size; None otherwise.
+  c10::IValue w8a8;
   at::Tensor operator()(const at::Tensor& x) const;
 };
 

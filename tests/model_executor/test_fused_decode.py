@@ -3,7 +3,7 @@ layers of a decode pass in one C++ call. It runs the Python layers' kernels with
 arguments, so the engine's output must be bit-identical with it on and off
 (KEEL_FUSED_DECODE=0): the same tokens and the same log-probabilities, for every
 Llama-family variant (GQA and llama3 RoPE, Qwen2's qkv bias, Qwen3's q/k norm, Mistral's
-sliding window), for dense float32, int8 and int4 weights; with quantized weights, passes of
+sliding window), for dense float32, int8, int4 and w8a8 weights; with quantized weights, passes of
 6 rows take the dense weights and passes of 3 the quantized kernels."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def generate(folder: str, quantization: str | None, fused: bool, monkeypatch, pr
 @pytest.mark.parametrize("arch,quantization", [
     ("llama", None), ("qwen2", None), ("qwen3", None), ("mistral", None),
     ("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int8"), ("mistral", "int8"),
-    ("qwen3", "int4"), ("mistral", "int4"),
+    ("qwen3", "int4"), ("mistral", "int4"), ("qwen2", "w8a8"), ("llama", "w8a8"),
 ])
 def test_fused_decode_is_bit_identical(arch, quantization, hf_model_dir, monkeypatch):
     folder = hf_model_dir(arch)

@@ -31,7 +31,12 @@ import torch
 from keel.attention.forward_context import get_forward_context
 from keel.distributed import get_tensor_model_parallel_world_size
 from keel.model_executor.layers import quantization
-from keel.model_executor.layers.quantization import ALL_ROWS, Int4Weight, Int8Weight
+from keel.model_executor.layers.quantization import (
+    ALL_ROWS,
+    Int4Weight,
+    Int8Weight,
+    W8A8Weight,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,8 @@ def _plan_linear(ops: Any, linear: Any) -> Any:
     w = linear.quant
     q = d = m = None
     max_rows = 0
+    if isinstance(w, W8A8Weight):
+        return ops.PlanLinear(None, None, None, 0, 0, None, None, linear.bias, w.packed)
     if w is not None:
         if isinstance(w, Int4Weight) and w.keel is not None and w.keel[0].shape[1] * 2 == (
                 w.in_features):

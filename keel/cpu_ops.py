@@ -18,7 +18,7 @@
   dispatcher, or the quantized kernels) in the Python layers' order, without the
   interpreter between them (keel/model_executor/layers/fused_decode.py).
 
-They are built with torch's JIT extension builder the first time they are needed (~15 s on 2
+They are built with torch's JIT extension builder the first time they are needed (~50 s on 2
 cores: the sources include ATen's core headers, not all of torch/extension.h; cached under
 ~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), with `-march=native`, and used only on
 the CPU. If they cannot be built (no compiler), keel logs why and keeps the torch code.

@@ -4,15 +4,15 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/abs.h>
 #include <ATen/ops/add.h>
-#include <ATen/ops/amax.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/div.h>
+#include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/linear.h>
 
+#include <limits>
 #include <string_view>
 #include <vector>
 
@@ -49,7 +49,9 @@ at::Tensor linear_dynamic(const at::Tensor& x, const c10::IValue& packed) {
 at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
   if (!w8a8.isNone()) {  // layers/quantization.py w8a8_linear: one scale per token
     const at::Tensor xf = x.to(at::kFloat);
-    const at::Tensor s = xf.abs().amax({-1}, true).clamp_(1e-30);
+    const at::Tensor s =
+        at::linalg_vector_norm(xf, std::numeric_limits<double>::infinity(), {-1}, true)
+            .clamp_(1e-30);
     at::Tensor out = linear_dynamic(xf.div(s), w8a8).mul_(s).to(x.scalar_type());
     return bias.defined() ? out.add(bias) : out;
   }

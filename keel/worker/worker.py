@@ -21,7 +21,7 @@ from keel.distributed import (
     send_tensor_dict,
 )
 from keel.outputs import IntermediateTensors, ModelRunnerOutput
-from keel.utils import available_memory_bytes, configure_threads
+from keel.utils import available_memory_bytes, configure_threads, keep_freed_memory
 from keel.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -130,6 +130,9 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.device.type == "cpu":
+            # After the load (its frees go back to the kernel), before the first pass.
+            keep_freed_memory()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         intermediate_tensors = None

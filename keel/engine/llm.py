@@ -189,10 +189,19 @@ def load_tokenizer(path, hf_config=None):
     """The folder's tokenizer. With keel's own `HFConfig` (keel/model_executor/hf_config.py)
     it is handed to AutoTokenizer, which would otherwise import transformers' config classes
     (~1.3 s) only to learn the model type; if that fails, AutoTokenizer reads the folder
-    itself."""
-    from transformers import AutoTokenizer
-
+    itself. Where AutoTokenizer would return transformers' generic tokenizer class anyway
+    (`_generic_tokenizer_folder`), that class is loaded directly."""
     from keel.model_executor.hf_config import HFConfig
+
+    if isinstance(hf_config, HFConfig) and _generic_tokenizer_folder(path, hf_config):
+        try:
+            # Skips importing transformers' model registry (~0.4 s of start-up here).
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(path))
+        except Exception as e:  # noqa: BLE001 - AutoTokenizer below reports the real problem
+            logger.debug("TokenizersBackend failed (%s); trying AutoTokenizer", e)
+    from transformers import AutoTokenizer
 
     if isinstance(hf_config, HFConfig):
         try:
@@ -204,3 +213,26 @@ def load_tokenizer(path, hf_config=None):
     except (OSError, ValueError, TypeError) as e:
         logger.warning("No usable tokenizer in %s (%s): only token-id prompts will work.", path, e)
         return None
+
+
+# The names transformers gives its generic tokenizers.json-backed class (v5, and v4's).
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _generic_tokenizer_folder(path, hf_config) -> bool:
+    """Whether AutoTokenizer would pick transformers' generic `TokenizersBackend` here: a llama
+    folder (other model types may map to their own class whatever the folder says) whose
+    tokenizer_config.json names the generic class, with a tokenizer.json and no custom code.
+    keel's default model, converted from its GGUF file, is such a folder."""
+    import json
+    from pathlib import Path
+
+    folder = Path(path)
+    if hf_config.model_type != "llama" or not (folder / "tokenizer.json").is_file():
+        return False
+    try:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(cfg, dict) and cfg.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+            and "auto_map" not in cfg)

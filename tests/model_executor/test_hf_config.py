@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from keel.engine.llm import load_tokenizer
 from keel.model_executor.hf_config import HFConfig, load_hf_config
 from keel.model_executor.layers.activation import _TORCH_ACTIVATIONS, get_act_fn
-from tests.hf_models import ARCHS, write_legacy_config
+from tests.hf_models import ARCHS, make_hf_model, write_legacy_config
 
 FIELDS = [
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
@@ -137,9 +137,17 @@ def test_other_activations_come_from_act2fn():
         get_act_fn("no_such_act")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
-def test_tokenizer_with_keel_config(hf_model_dir, arch):
-    folder = hf_model_dir(arch)
+@pytest.fixture(scope="module")
+def plain_llama(tmp_path_factory):
+    """A llama folder with plain RoPE (the test models' llama uses llama3 scaling, which
+    keel's config reader leaves to AutoConfig), like keel's default model."""
+    return make_hf_model("llama", tmp_path_factory.mktemp("plain_llama"),
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "plain_llama"])
+def test_tokenizer_with_keel_config(hf_model_dir, plain_llama, arch):
+    folder = plain_llama if arch == "plain_llama" else hf_model_dir(arch)
     config = load_hf_config(folder)
     assert isinstance(config, HFConfig)
     ours, ref = load_tokenizer(folder, config), AutoTokenizer.from_pretrained(str(folder))
@@ -150,3 +158,32 @@ def test_tokenizer_with_keel_config(hf_model_dir, arch):
     assert ours.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(
         chat, tokenize=False)
     assert ours.eos_token_id == ref.eos_token_id
+
+
+def test_generic_tokenizer_folder_is_loaded_without_autotokenizer(hf_model_dir, plain_llama,
+                                                                  tmp_path):
+    """A llama folder naming transformers' generic class gets that class directly (what
+    AutoTokenizer would return, as the test above checks), without importing transformers'
+    model registry; any other folder goes through AutoTokenizer."""
+    import shutil
+    import subprocess
+    import sys
+
+    from keel.engine.llm import _generic_tokenizer_folder
+
+    folder = plain_llama
+    assert _generic_tokenizer_folder(folder, load_hf_config(folder))
+    qwen2 = hf_model_dir("qwen2")  # AutoTokenizer maps qwen2 to its own class
+    assert not _generic_tokenizer_folder(qwen2, load_hf_config(qwen2))
+    custom = tmp_path / "custom"
+    shutil.copytree(folder, custom)
+    cfg = json.loads((custom / "tokenizer_config.json").read_text())
+    (custom / "tokenizer_config.json").write_text(json.dumps({**cfg, "auto_map": {"x": "y"}}))
+    assert not _generic_tokenizer_folder(custom, load_hf_config(custom))
+    probe = ("import sys; from keel.engine.llm import load_tokenizer; "
+             "from keel.model_executor.hf_config import load_hf_config; "
+             f"p = {str(folder)!r}; t = load_tokenizer(p, load_hf_config(p)); "
+             "print(type(t).__name__, 'transformers.models.auto' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split()
+    assert out == ["TokenizersBackend", "False"]

@@ -1,6 +1,7 @@
-"""What the scheduler decides per sampled token, after a step (vLLM keeps `check_stop` in
-vllm/v1/core/sched/utils.py too): whether a request stops, whether its grammar accepts the
-token, and the output of a pooled request."""
+"""What the scheduler decides per request around a step (vLLM keeps `check_stop` in
+vllm/v1/core/sched/utils.py too): whether a request may be scheduled again before its tokens in
+flight are known, how those tokens settle its counts once they are, whether it stops, whether
+its grammar accepts a token, and the output of a pooled request."""
 
 from __future__ import annotations
 
@@ -11,6 +12,37 @@ from keel.outputs import EngineCoreOutput
 from keel.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+def can_schedule_ahead(request: Request, max_model_len: int) -> bool:
+    """Async scheduling: may this running request get another step before the tokens of its
+    steps in flight are known? Not past max_tokens or max_model_len, and not with a grammar
+    (its bitmask needs the previous token)."""
+    pending = request.num_output_placeholders
+    if pending == 0:
+        return True
+    return (not request.use_structured_output
+            and len(request.output_token_ids) + pending < request.max_tokens
+            and request.num_tokens + pending < max_model_len)
+
+
+def settle_in_flight(request: Request, drafts: list[int] | None, num_new: int,
+                     async_scheduling: bool, num_draft_tokens, row: int, spec_stats) -> None:
+    """A step's `num_new` sampled tokens are known: settle what schedule() counted ahead.
+    With async scheduling its 1 + drafts placeholders are released. schedule() counted every
+    draft as computed: the rejected ones are taken back (their KV slots are overwritten next
+    step), and so are the placeholders the runner had no draft for (`num_draft_tokens[row]`).
+    A request preempted meanwhile has nothing to take back."""
+    if async_scheduling and num_new:
+        request.num_output_placeholders -= 1 + len(drafts or ())
+    if not drafts:
+        return
+    num_accepted = num_new - 1
+    if request.status == RequestStatus.RUNNING:
+        request.num_computed_tokens -= len(drafts) - num_accepted
+    num_verified = len(drafts) if num_draft_tokens is None else num_draft_tokens[row]
+    if num_verified:
+        spec_stats.observe(num_verified, num_accepted)
 
 
 def finish_pooled(request: Request, pooled: Any) -> EngineCoreOutput:

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING
 from keel.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from keel.core.kv_cache_manager import KVCacheManager
 from keel.core.kv_cache_utils import update_block_hashes
-from keel.core.sched_output import (
-    CachedRequestData,
-    GrammarOutput,
-    NewRequestData,
-    SchedulerOutput,
+from keel.core.sched_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
+from keel.core.sched_utils import (
+    advance_grammar,
+    can_schedule_ahead,
+    check_stop,
+    finish_pooled,
+    settle_in_flight,
 )
-from keel.core.sched_utils import advance_grammar, check_stop, finish_pooled
 from keel.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from keel.request import Request, RequestStatus
 from keel.spec_decode.stats import SpecDecodingStats, can_speculate
@@ -118,10 +119,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_hits,
-            spec_num_drafts=self.spec_stats.num_drafts,
-            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            **self.spec_stats.scheduler_stats_fields(),
         )
 
     # ---- one step ---------------------------------------------------------------------------
@@ -141,7 +139,7 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            if self.async_scheduling and not self._can_schedule_ahead(request):
+            if self.async_scheduling and not can_schedule_ahead(request, self.max_model_len):
                 req_index += 1
                 continue
             pending = request.num_output_placeholders
@@ -268,17 +266,6 @@ class Scheduler:
                     request.spec_token_ids = self._spec_placeholders
         return output
 
-    def _can_schedule_ahead(self, request: Request) -> bool:
-        """Async scheduling: may this running request get another step before the tokens of
-        its steps in flight are known? Not past max_tokens or max_model_len, and not with a
-        grammar (its bitmask needs the previous token)."""
-        pending = request.num_output_placeholders
-        if pending == 0:
-            return True
-        return (not request.use_structured_output
-                and len(request.output_token_ids) + pending < request.max_tokens
-                and request.num_tokens + pending < self.max_model_len)
-
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached block. Blocks in use cannot be forgotten: with
         `reset_running_requests` every running request is preempted first (its blocks freed;
@@ -362,20 +349,9 @@ class Scheduler:
             if not new_token_ids and new_prompt_logprobs is None:
                 continue  # still prefilling (row discarded), nothing to report
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if self.async_scheduling and new_token_ids:
-                # The tokens in flight are known now (all 1 + drafts were counted).
-                request.num_output_placeholders -= 1 + len(drafts or ())
-            if drafts:
-                # schedule() counted every draft as computed: take back the rejected ones
-                # (their KV slots are overwritten next step), and the placeholders the runner
-                # had no draft for. A request preempted meanwhile has nothing to take back.
-                num_accepted = len(new_token_ids) - 1
-                if request.status == RequestStatus.RUNNING:
-                    request.num_computed_tokens -= len(drafts) - num_accepted
-                used = model_runner_output.num_draft_tokens
-                num_verified = len(drafts) if used is None else used[row]
-                if num_verified:
-                    self.spec_stats.observe(num_verified, num_accepted)
+            if drafts or (self.async_scheduling and new_token_ids):
+                settle_in_flight(request, drafts, len(new_token_ids), self.async_scheduling,
+                                 model_runner_output.num_draft_tokens, row, self.spec_stats)
             grammar = request.structured_output_request
             for i, token in enumerate(new_token_ids):
                 request.output_token_ids.append(token)

@@ -28,6 +28,13 @@ class SpecDecodingStats:
         for pos in range(num_accepted):
             self.accepted_per_pos[pos] += 1
 
+    def scheduler_stats_fields(self) -> dict:
+        """These counts as SchedulerStats' `spec_*` fields."""
+        return {"spec_num_drafts": self.num_drafts,
+                "spec_num_draft_tokens": self.num_draft_tokens,
+                "spec_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_accepted_per_pos": list(self.accepted_per_pos)}
+
 
 def can_speculate(sp: SamplingParams) -> bool:
     """Drafts are verified with temperature, min-p, top-k and top-p; a request that needs any

@@ -9,6 +9,9 @@
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_table, at::Tensor seq_lens,
                            std::optional<at::Tensor> rows, double scale, int64_t sliding_window);
+// Causal attention of one prompt chunk (query [L, H, D]) over its S >= L keys, into out.
+void prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor out,
+                       double scale, int64_t sliding_window);
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
                     at::Tensor value_cache, at::Tensor slot_mapping);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);

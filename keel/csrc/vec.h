@@ -112,6 +112,10 @@ template <typename T> inline v8 load8(const T* p) { return loadv<v8>(p); }
 template <typename T> inline void store8(T* p, v8 v) { storev(p, v); }
 template <typename T> inline v8 round_to8(v8 v) { return round_tov<T>(v); }
 
+// x in every lane. (`v8{} + x` costs a scalar add of zero before the broadcast: GCC may not
+// drop it, since 0.0f + -0.0f is +0.0f.)
+inline v8 splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
 inline float hsum8(v8 v) {
   typedef float v4 __attribute__((vector_size(16)));
   const v4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);

@@ -87,15 +87,19 @@ def test_mixed_batch(monkeypatch, use_kernel, heads, kv_heads, head_dim, dtype, 
     assert (out - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("prefill_kernel", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_long_chunks_take_sdpa_one_by_one(monkeypatch, window, dtype, tol):
-    """Past CPU_KERNEL_MAX_QUERY_LEN queries, a request's chunk goes to SDPA alone (a whole
-    prompt, and a chunk after context), while the other requests' tokens stay on the kernel,
-    which never sees a long chunk's token."""
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_long_chunks_go_one_by_one(monkeypatch, prefill_kernel, window, dtype, tol, head_dim):
+    """Past CPU_KERNEL_MAX_QUERY_LEN queries, a request's chunk goes alone to keel's prefill
+    kernel (or SDPA: KEEL_PREFILL_ATTENTION=0, or a head size it does not take) - a whole
+    prompt, and a chunk after context - while the other requests' tokens stay on the per-row
+    kernel, which never sees a long chunk's token."""
     monkeypatch.setattr(torch_paged, "CPU_KERNEL_MAX_QUERY_LEN", 8)
+    monkeypatch.setattr(torch_paged, "_PREFILL_KERNEL", prefill_kernel)
     real = get_cpu_ops()
-    seen = []
+    seen, chunks = [], []
 
     class Kernel:
         write_kv_cache = staticmethod(real.write_kv_cache)
@@ -104,12 +108,19 @@ def test_long_chunks_take_sdpa_one_by_one(monkeypatch, window, dtype, tol):
             seen.append(query.shape[0])
             return real.paged_attention(query, *args)
 
+        def prefill_attention(self, query, key, *args):
+            chunks.append((query.shape[0], key.shape[0]))
+            return real.prefill_attention(query, key, *args)
+
     monkeypatch.setattr(torch_paged, "get_cpu_ops", Kernel)
     # Request 0: a 9-token prompt; 1: 6 queries (kernel); 2, 3: decodes; 4: a 12-query chunk
     # after 18 tokens of context.
-    out, ref = run_case([9, 17, 4, 30, 30], [9, 6, 1, 1, 12], 9, 3, 64, dtype, window)
+    out, ref = run_case([9, 17, 4, 30, 30], [9, 6, 1, 1, 12], 9, 3, head_dim, dtype, window)
     assert (out - ref).abs().max().item() < tol
     assert seen and all(n == 6 + 1 + 1 for n in seen)  # only the short requests' tokens
+    # Each long chunk once per call, with every key it sees (head size 40: SDPA).
+    expect = [(9, 9), (12, 30)] if prefill_kernel and head_dim == 64 else []
+    assert chunks == expect
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])

@@ -19,14 +19,15 @@ skips the query scatter entirely.
 On the CPU, keel's compiled kernel (`keel/cpu_ops.py`) replaces steps 2-5: it treats each
 query token as a row of its own whose keys end at the token's position, and reads K/V in place
 through the block table, with no gathered or padded copy. A request with more than
-`CPU_KERNEL_MAX_QUERY_LEN` query tokens in the pass (a long prompt chunk) goes to SDPA on its
-own instead (its blocked matmuls win once many queries share each key), unpadded, while the
-other requests of the pass stay on the kernel: padding a batch of decodes to a 700-token
-chunk made a mixed pass 30-100x slower. A faster CUDA kernel can take the same place later.
+`CPU_KERNEL_MAX_QUERY_LEN` query tokens in the pass (a long prompt chunk) goes on its own to
+keel's causal prefill kernel instead (or SDPA; blocked loops win once many queries share each
+key), unpadded, while the other requests of the pass stay on the kernel: padding a batch of
+decodes to a 700-token chunk made a mixed pass 30-100x slower. A faster CUDA kernel can take the same place later.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -34,12 +35,18 @@ import torch.nn.functional as F
 
 from keel.cpu_ops import get_cpu_ops
 
-# The CPU kernel's cost per query token grows with its context (one pass over its keys); SDPA
-# shares each key among a request's queries but pads every request to the longest. Measured on
-# 2 cores (9 heads, 3 KV heads, head_dim 64, float32, prompts without context): at 256 queries
-# per request the two tie for one request and the kernel is 1.4x faster for eight; at 512 SDPA
-# is 15% faster for one request, the kernel still 1.4x faster for four.
-CPU_KERNEL_MAX_QUERY_LEN = 256
+# A long prompt chunk goes to keel's causal prefill kernel (keel/csrc/prefill_attention.cpp): a
+# flash-attention loop whose work items share each key among 16 query rows and a KV head's query
+# heads. `KEEL_PREFILL_ATTENTION=0` sends those chunks to torch's SDPA instead (also where the
+# kernel does not apply: a head size not a multiple of 16, more than 16 query heads per KV head).
+_PREFILL_KERNEL = os.environ.get("KEEL_PREFILL_ATTENTION", "1") != "0"
+# The per-row kernel's cost per query token grows with its context (one pass over its keys); the
+# chunk kernels share each key among a request's queries. Measured on 2 cores (9 heads, 3 KV
+# heads, head_dim 64, float32, prompts without context), per-row against the prefill kernel:
+# 1.06x / 0.77x faster at 32 queries (one request / eight), 0.64x / 0.93x at 64, 0.49x / 0.71x
+# at 128. Against SDPA (the fallback) the per-row kernel ties at 256 queries for one request
+# and is 1.4x faster for eight.
+CPU_KERNEL_MAX_QUERY_LEN = 64 if _PREFILL_KERNEL else 256
 
 
 @dataclass(slots=True)
@@ -233,6 +240,12 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
         )
         out.index_copy_(0, idx, rows.view(len(idx), -1))
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    kernel = (_PREFILL_KERNEL and query.dtype == kv_cache.dtype
+              and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+              and head_dim % 16 == 0 and num_heads // num_kv_heads <= 16 and query.stride(2) == 1
+              and query.stride(1) == head_dim and key.stride(2) == 1
+              and key.stride(1) == head_dim and value.stride(2) == 1
+              and value.stride(1) == head_dim)
     for req, start, q_len, seq_len in meta.long_chunks:
         context = seq_len - q_len
         if context == 0:  # a whole prompt: its keys are this pass's own
@@ -241,6 +254,10 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
             blocks = meta.block_table[req, : -(-seq_len // block_size)].to(torch.int64)
             k = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
             v = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        if kernel:  # ~2x SDPA's speed at 600 tokens (BENCHMARKS.md)
+            ops.prefill_attention(query[start : start + q_len], k, v,
+                                  out[start : start + q_len], scale, sliding_window or 0)
+            continue
         q = query[start : start + q_len].transpose(0, 1).unsqueeze(0).to(k.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         mask = None

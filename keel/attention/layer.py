@@ -31,7 +31,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.prefix = prefix
-        # [2, num_blocks, block_size, num_kv_heads, head_size]; set by bind_kv_cache.
+        # [2, num_blocks, num_kv_heads, block_size, head_size]; set by bind_kv_cache.
         self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -67,9 +67,11 @@ def bind_kv_cache(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
 def allocate_kv_caches(
     model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, Hkv, D] tensor per attention layer, bound to the model."""
+    """One [2, num_blocks, Hkv, block_size, D] tensor per attention layer, bound to the model:
+    head-major blocks, so one KV head's keys (or values) of a block are one contiguous run,
+    which the attention kernels read as one stream (see torch_paged)."""
     caches = [
-        _zeros((2, num_blocks, block_size, layer.num_kv_heads, layer.head_size), dtype, device)
+        _zeros((2, num_blocks, layer.num_kv_heads, block_size, layer.head_size), dtype, device)
         for layer in attention_layers(model)
     ]
     bind_kv_cache(model, caches)

@@ -36,7 +36,7 @@ struct DecodeLayer {
   PlanLinear qkv, o, gate_up, down;
   at::Tensor q_norm, k_norm;  // Qwen3's per-head RMSNorm weights [head_dim], else undefined
   at::Tensor cos, sin;        // RoPE caches [max_pos, rot_dim] (float32)
-  at::Tensor key_cache, value_cache;  // [num_blocks, block_size, Hkv, D]
+  at::Tensor key_cache, value_cache;  // [num_blocks, Hkv, block_size, D]
   int64_t heads, kv_heads, head_dim, sliding_window;  // sliding_window 0: none
   double scale, eps;
 };

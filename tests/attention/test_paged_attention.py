@@ -35,7 +35,7 @@ def dense_reference(q_seqs, k_seqs, v_seqs, q_lens, scale, window):
 def run_case(seq_lens, q_lens, heads, kv_heads, head_dim, dtype, window, block_size=4):
     g = torch.Generator().manual_seed(0)
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 3
-    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    cache = torch.zeros(2, num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
     # Scatter the blocks (shuffled) so the block table matters.
     perm = torch.randperm(num_blocks, generator=g).tolist()
     max_blocks = max(math.ceil(s / block_size) for s in seq_lens)
@@ -53,8 +53,9 @@ def run_case(seq_lens, q_lens, heads, kv_heads, head_dim, dtype, window, block_s
         for p in range(s):
             slot = blocks[p // block_size] * block_size + p % block_size
             if p < s - ql:  # context already in the cache
-                cache[0].view(-1, kv_heads, head_dim)[slot] = k[p]
-                cache[1].view(-1, kv_heads, head_dim)[slot] = v[p]
+                block, offset = divmod(slot, block_size)  # head-major blocks
+                cache[0, block, :, offset] = k[p]
+                cache[1, block, :, offset] = v[p]
             else:  # written by this pass
                 slots.append(slot)
                 new_k.append(k[p])
@@ -153,20 +154,26 @@ def test_kernel_build_failure_falls_back(monkeypatch):
     assert cpu_ops.get_cpu_ops() is None
 
 
-def test_kernel_kv_write_matches_index_copy_and_checks_slots():
-    """The compiled K/V write puts strided rows where index_copy_ does, and refuses a slot
-    outside the cache instead of writing past it."""
+def test_kernel_kv_write_matches_torch_and_checks_slots(monkeypatch):
+    """The compiled K/V write puts strided rows where the torch path does (head-major blocks:
+    slot s, head h at [s // block_size, h, s % block_size]), and refuses a slot outside the
+    cache instead of writing past it."""
     ops = get_cpu_ops()
     assert ops is not None
     g = torch.Generator().manual_seed(3)
-    cache = torch.zeros(2, 12, 4, 3, 8)
-    want = cache.clone()
+    cache = torch.zeros(2, 12, 3, 4, 8)  # 12 blocks of 4 slots, 3 KV heads, head size 8
     T = 40  # more rows than one thread's share (16): the rows are written on both threads
     kv = torch.randn(T, 2 * 3 * 8, generator=g)  # one [T, k | v] buffer: strided rows
     key, value = kv[:, :24].view(T, 3, 8), kv[:, 24:].view(T, 3, 8)
     slots = torch.randperm(48, generator=g)[:T]
-    want[0].view(-1, 3, 8).index_copy_(0, slots, key)
-    want[1].view(-1, 3, 8).index_copy_(0, slots, value)
+    want = cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        want[0, slot // 4, :, slot % 4] = key[t]
+        want[1, slot // 4, :, slot % 4] = value[t]
+    torch_cache = cache.clone()
+    monkeypatch.setattr(torch_paged, "get_cpu_ops", lambda: None)
+    torch_paged.write_kv_cache(key, value, torch_cache, slots)
+    assert torch.equal(torch_cache, want)
     ops.write_kv_cache(key, value, cache[0], cache[1], slots)
     assert torch.equal(cache, want)
     with pytest.raises(RuntimeError, match="outside the cache"):

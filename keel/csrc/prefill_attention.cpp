@@ -137,7 +137,7 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const float* kt, i
             for (int64_t g = 0; g < G; ++g) s[(r * G + g) * kKeys + j] = ninf;
         }
       }
-    }  // (without a causal edge every key of the block is visible: n16 == n)
+    }  // (without a causal edge the block ends at or before k_end, so n16 == n)
     // Online softmax: rescale what was accumulated when a row's maximum grows.
     for (int64_t x = 0; x < nv; ++x) {
       float* sx = s + x * kKeys;
@@ -196,7 +196,7 @@ void prefill_kernel(const at::Tensor& query, const at::Tensor& key, const at::Te
   at::parallel_for(0, Hkv * D, 8, [&](int64_t b, int64_t e) {
     for (int64_t hd = b; hd < e; ++hd) {
       float* dst = kt.data() + hd * s_pad;
-      const T* src = k_ptr + hd;  // head hd / D, dim hd % D: hd * 1 since [Hkv, D] is dense
+      const T* src = k_ptr + hd;  // key j's (head hd / D, dim hd % D): each row is dense
       for (int64_t j = 0; j < S; ++j) dst[j] = static_cast<float>(src[j * k_stride]);
     }
   });

@@ -3,7 +3,7 @@
 KV cache layout, per layer: `[2, num_blocks, num_kv_heads, block_size, head_dim]` (K then V):
 head-major blocks, so one KV head's keys of a block are one contiguous run (4 KiB at 16 x 64
 float32), which a decode row's walk reads as one stream: at 64 requests and 600 tokens of
-context the CPU kernel read K/V ~20% faster than from token-major blocks. Token t of the flat
+context the CPU kernel read K/V ~10% faster than from token-major blocks (BENCHMARKS.md). Token t of the flat
 batch writes its K/V at `slot_mapping[t]` (= block_id * block_size + offset); request r reads
 its keys through its row of the block table.
 
@@ -25,7 +25,8 @@ through the block table, with no gathered or padded copy. A request with more th
 `CPU_KERNEL_MAX_QUERY_LEN` query tokens in the pass (a long prompt chunk) goes on its own to
 keel's causal prefill kernel instead (or SDPA; blocked loops win once many queries share each
 key), unpadded, while the other requests of the pass stay on the kernel: padding a batch of
-decodes to a 700-token chunk made a mixed pass 30-100x slower. A faster CUDA kernel can take the same place later.
+decodes to a 700-token chunk made a mixed pass 30-100x slower. A faster CUDA kernel can take
+the same place later.
 """
 
 from __future__ import annotations
@@ -247,10 +248,8 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     kernel = (_PREFILL_KERNEL and query.dtype == kv_cache.dtype
               and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-              and head_dim % 16 == 0 and num_heads // num_kv_heads <= 16 and query.stride(2) == 1
-              and query.stride(1) == head_dim and key.stride(2) == 1
-              and key.stride(1) == head_dim and value.stride(2) == 1
-              and value.stride(1) == head_dim)
+              and head_dim % 16 == 0 and num_heads // num_kv_heads <= 16
+              and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value)))
     for req, start, q_len, seq_len in meta.long_chunks:
         context = seq_len - q_len
         if context == 0:  # a whole prompt: its keys are this pass's own

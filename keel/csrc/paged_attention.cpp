@@ -147,14 +147,16 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       const int64_t n = len - start;
       if (n <= 0) continue;
       const int32_t* row = bt + (rows != nullptr ? rows[r] : r) * max_blocks;
+      const T* k_head = k_ptr + hk * bs * D;  // this KV head's run in block 0
+      const T* v_head = v_ptr + hk * bs * D;
       if (G <= kMaxGroup && (D == 64 || D == 128)) {
         // Common head sizes: accumulators in registers, vectorised exp.
         scores.resize(G * n);
         const T* q = q_ptr + r * q_stride + hk * G * D;
         T* o = o_ptr + (r * H + hk * G) * D;
         const auto item_fn = D == 64 ? decode_item<64, T> : decode_item<128, T>;
-        item_fn(q, k_ptr + hk * bs * D, v_ptr + hk * bs * D, row, bs, block_elems, start, len,
-                G, static_cast<float>(scale), scores.data(), o);
+        item_fn(q, k_head, v_head, row, bs, block_elems, start, len, G,
+                static_cast<float>(scale), scores.data(), o);
         continue;
       }
       for (int64_t g = 0; g < G; ++g)
@@ -164,7 +166,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       // Scores: [G, n]
       scores.assign(G * n, 0.f);
       for_each_slot(row, bs, D, block_elems, start, len, [&](int64_t j, int64_t off) {
-        const T* k = k_ptr + hk * bs * D + off;
+        const T* k = k_head + off;
         for (int64_t g = 0; g < G; ++g) scores[g * n + (j - start)] = dot(&qf[g * D], k, D);
       });
       // Softmax per query head (max subtracted for stability).
@@ -182,7 +184,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       // Weighted sum of values: [G, D]
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_slot(row, bs, D, block_elems, start, len, [&](int64_t j, int64_t off) {
-        const T* v = v_ptr + hk * bs * D + off;
+        const T* v = v_head + off;
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * n + (j - start)];
           float* a = &acc[g * D];

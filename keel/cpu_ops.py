@@ -13,6 +13,10 @@
   of 32 and integer dot products (`int4_gemm_q8`, `int8_gemm_q8`), or in float32
   (`int4_gemm`, `int8_gemm`); torch's kernels are the fallback and the tests' oracle
   (keel/model_executor/layers/quantization.py).
+- `gemm_pack`, `gemm` (csrc/gemm.cpp, AVX2 + FMA): keel's float32 GEMM over weights packed
+  once into panels of 16 output columns (float32, or bfloat16 widened in registers), which
+  streams each panel from memory once per block of rows and prefetches the next while the
+  current one is used; where it runs instead of oneDNN is layers/linear.py's choice.
 - `DecodePlan` (csrc/decode_layers.cpp): a Llama-family model's decoder layers for a pass of
   decode rows, in one call: the kernels above and the layers' GEMMs (oneDNN through the
   dispatcher, or the quantized kernels) in the Python layers' order, without the
@@ -38,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
-            "quant_gemm.cpp", "quant_gemm_q8.cpp", "decode_layers.cpp")
+            "quant_gemm.cpp", "quant_gemm_q8.cpp", "decode_layers.cpp", "gemm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _module: Any = None
 _tried = False

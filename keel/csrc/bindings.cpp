@@ -12,7 +12,8 @@ namespace {
 PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
                        std::optional<at::Tensor> m, int64_t max_rows, int64_t act_parts,
                        std::optional<at::Tensor> packed, std::optional<at::Tensor> weight,
-                       std::optional<at::Tensor> bias, pybind11::object w8a8) {
+                       std::optional<at::Tensor> bias, pybind11::object w8a8,
+                       int64_t gemm_rows) {
   PlanLinear lin;
   if (!w8a8.is_none()) lin.w8a8 = torch::jit::toIValue(w8a8, c10::AnyType::get());
   if (max_rows > 0) {
@@ -28,6 +29,9 @@ PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
   lin.packed = packed.value_or(at::Tensor());
   lin.weight = weight.value_or(at::Tensor());
   lin.bias = bias.value_or(at::Tensor());
+  lin.gemm_rows = gemm_rows;
+  TORCH_CHECK(gemm_rows == 0 || (lin.packed.defined() && lin.packed.dim() == 3),
+              "PlanLinear: gemm_rows > 0 needs `packed` from gemm_pack");
   TORCH_CHECK(!lin.w8a8.isNone() || lin.packed.defined() ||
                   (lin.weight.defined() && lin.weight.numel() > 0) ||
                   max_rows >= (int64_t{1} << 62),
@@ -67,14 +71,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm_q8", &int8_gemm_q8, "int8_gemm with activations in int8 parts (groups of 32)");
   m.def("quant_linear", &quant_linear, "x @ W^T for keel's int4 / int8 weights, <= 4 rows");
   m.def("quant_gemm_available", &quant_gemm_available, "built with AVX2 + FMA");
+  m.def("gemm_pack", &gemm_pack, "W [N, K] (float32 / bfloat16) in gemm's panels");
+  m.def("gemm", &gemm, "x @ W^T (+ bias) in float32 over gemm_pack's panels",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"),
+        pybind11::arg("bias") = pybind11::none());
+  m.def("gemm_available", &gemm_available, "gemm built (AVX2 + FMA)");
   pybind11::class_<PlanLinear>(m, "PlanLinear", "one linear layer of a DecodePlan")
       .def(pybind11::init(&make_linear), pybind11::arg("q"), pybind11::arg("d"),
            pybind11::arg("m"), pybind11::arg("max_rows"), pybind11::arg("act_parts"),
            pybind11::arg("packed"), pybind11::arg("weight"), pybind11::arg("bias"),
-           pybind11::arg("w8a8") = pybind11::none(),
-           "(q, d, m, max_rows, act_parts, packed, weight, bias, w8a8=None): the quantized "
-           "form (used up to max_rows rows; 0: none), the oneDNN-packed and the dense weight, "
-           "or fbgemm's packed w8a8 weight");
+           pybind11::arg("w8a8") = pybind11::none(), pybind11::arg("gemm_rows") = 0,
+           "(q, d, m, max_rows, act_parts, packed, weight, bias, w8a8=None, gemm_rows=0): the "
+           "quantized form (used up to max_rows rows; 0: none), the packed weight (oneDNN's, "
+           "or keel's gemm_pack panels of a weight with gemm_rows output rows) and the dense "
+           "weight, or fbgemm's packed w8a8 weight");
   pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a decode pass in one call")
       .def(pybind11::init<>())
       .def("add_layer", &add_layer, "one Llama-family decoder layer's weights and cache")

@@ -71,6 +71,7 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
   }
   const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias)
                                                      : std::nullopt;
+  if (gemm_rows > 0) return gemm(x, packed, gemm_rows, b);
   if (packed.defined()) return linear_pointwise(x, packed, b);
   return at::linear(x, weight, b);
 }

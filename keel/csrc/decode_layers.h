@@ -18,13 +18,14 @@
 // x @ W^T (+ bias), as keel's LinearBase._matmul computes it: on keel's quantized kernels
 // (int4 in groups of 32: q uint8 [N, K/2], d and m [N, K/32], W = q d + m; or int8 per row:
 // q int8 [N, K], d = scale float32 [N]) for passes of at most `max_rows` rows, else on the
-// oneDNN-packed weight, else on the dense weight.
+// packed weight (keel's gemm or oneDNN's), else on the dense weight.
 struct PlanLinear {
   at::Tensor q, d;
   std::optional<at::Tensor> m;  // int4's mins; none for int8
   int64_t max_rows = 0;         // quantized kernels up to this many rows (0: no quantized form)
   int64_t act_parts = 0;        // quant_linear's activations, as the Python layers choose
-  at::Tensor packed, weight, bias;  // oneDNN-packed / dense weight, bias; each may be undefined
+  at::Tensor packed, weight, bias;  // packed / dense weight, bias; each may be undefined
+  int64_t gemm_rows = 0;  // > 0: `packed` is keel's gemm_pack panels of this many rows
   // quantization="w8a8": fbgemm's packed int8 weight (a LinearPackedParams script object),
   // run as quantized_linear runs it, at every pass size; None otherwise.
   c10::IValue w8a8;

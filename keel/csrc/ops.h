@@ -32,3 +32,8 @@ at::Tensor int8_gemm_q8(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t pa
 at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor d, std::optional<at::Tensor> m,
                         int64_t act_parts);
 bool quant_gemm_available();
+// keel's float32 GEMM (gemm.cpp): W [N, K] (float32 or bfloat16) packed once into panels of
+// 16 output columns, then x [M, K] float32 @ W^T (+ bias float32 [N]) -> [M, N] float32.
+at::Tensor gemm_pack(at::Tensor weight);
+at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias);
+bool gemm_available();

@@ -134,17 +134,35 @@ def test_bfloat16_close_to_float32(hf_model_dir, loaded):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_torch_fallback_paths_match_transformers(arch, hf_model_dir, monkeypatch):
     """Without keel's compiled kernels (no compiler, or KEEL_CPU_KERNEL=0) and without oneDNN
-    packing (KEEL_ONEDNN_GEMM=0), every layer takes its torch path: still transformers' logits
+    packing (KEEL_CPU_GEMM=torch), every layer takes its torch path: still transformers' logits
     and greedy tokens. qwen3 covers the per-head q/k norm before RoPE."""
     from keel import cpu_ops
 
     monkeypatch.setattr(cpu_ops, "_tried", True)
     monkeypatch.setattr(cpu_ops, "_module", None)
-    monkeypatch.setenv("KEEL_ONEDNN_GEMM", "0")
+    monkeypatch.setenv("KEEL_CPU_GEMM", "torch")
     folder = hf_model_dir(arch)
     model, hf = load_model(ModelConfig(folder, dtype="float32")), hf_reference(folder)
     assert all(getattr(m, "packed_weight", None) is None for m in model.modules())
     prompt = random_prompt(21, seed=4)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    out = DirectRunner(model, max_reqs=1, max_len=128).step([0], [prompt], [0], all_rows=True)
+    assert (out - ref).abs().max().item() < 1e-4
+    got = DirectRunner(model, max_reqs=1, max_len=128).greedy([prompt], 16)[0]
+    assert got == hf_greedy(hf, prompt, 16)
+
+
+@pytest.mark.parametrize("mode", ["keel", "onednn"])
+def test_each_cpu_gemm_matches_transformers(mode, hf_model_dir, monkeypatch):
+    """Both packed GEMMs (layers/linear.py picks one per CPU; the tests above run the pick):
+    transformers' logits and greedy tokens with every linear layer and the LM head on it."""
+    monkeypatch.setenv("KEEL_CPU_GEMM", mode)
+    folder = hf_model_dir("qwen2")  # biases on q/k/v
+    model, hf = load_model(ModelConfig(folder, dtype="float32")), hf_reference(folder)
+    assert {getattr(m, "packed_by", "") for m in model.modules()
+            if getattr(m, "packed_weight", None) is not None} == {mode}
+    prompt = random_prompt(21, seed=5)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     out = DirectRunner(model, max_reqs=1, max_len=128).step([0], [prompt], [0], all_rows=True)

@@ -1,5 +1,6 @@
-"""oneDNN-packed weights on the CPU (layers/linear.py): what packing keeps and releases, that
-packed layers compute what F.linear computes, and the switch that turns it off."""
+"""Packed weights on the CPU (layers/linear.py): which GEMM packs them (keel's or oneDNN's),
+what packing keeps and releases, that packed layers compute what F.linear computes, and the
+switch that turns it off."""
 
 from __future__ import annotations
 
@@ -20,9 +21,21 @@ from keel.model_executor.loader import load_model
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
+@pytest.fixture
+def gemm_mode(monkeypatch):
+    """Sets KEEL_CPU_GEMM for the test."""
+    def set_mode(mode: str) -> None:
+        monkeypatch.setenv("KEEL_CPU_GEMM", mode)
+    return set_mode
+
+
+@pytest.mark.parametrize("mode", ["keel", "onednn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_layers_compute_f_linear(dtype, bias):
+def test_packed_layers_compute_f_linear(gemm_mode, mode, dtype, bias):
+    from keel.model_executor.layers import linear
+
+    gemm_mode(mode)
     g = torch.Generator().manual_seed(0)
     layers = [
         QKVParallelLinear(64, 16, 4, 2, bias=bias, dtype=dtype),
@@ -37,19 +50,25 @@ def test_packed_layers_compute_f_linear(dtype, bias):
         x = torch.randn(7, layer.input_size, generator=g).to(dtype)
         want = F.linear(x.float(), dense_w.float(), None if not bias else layer.bias.float())
 
-        # Every weight packs: bfloat16 natively where this CPU has bf16 dot products, else as
-        # its float32 upcast.
+        # Every weight packs: on keel's GEMM in its own dtype, or on oneDNN's (bfloat16 natively
+        # where the CPU has bf16 dot products and they measured faster, else as its upcast).
         layer.process_weights_after_loading()
         assert layer.packed_weight is not None
         assert layer.weight.numel() == 0, "the dense copy is released"
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        assert layer.packed_upcast == (dtype == torch.bfloat16 and not native)
+        assert layer.packed_rows == layer.output_size
+        in_float32 = dtype == torch.bfloat16 and linear.bf16_gemm_in_float32(dense_w)
+        if mode == "keel" and (dtype == torch.float32 or in_float32):
+            assert layer.packed_by == "keel" and layer.packed_weight.dtype == dtype
+        else:
+            assert layer.packed_by == ("onednn-upcast" if in_float32 else "onednn")
         got = layer(x)
         assert got.dtype == dtype and got.shape == want.shape
         assert (got.float() - want).abs().max().item() < TOL[dtype] * want.abs().max().item()
 
 
-def test_lm_head_keeps_a_tied_weight():
+@pytest.mark.parametrize("mode", ["keel", "onednn"])
+def test_lm_head_keeps_a_tied_weight(gemm_mode, mode):
+    gemm_mode(mode)
     emb_weight = torch.randn(50, 16)
     tied, untied = ParallelLMHead(50, 16), ParallelLMHead(50, 16)
     tied.weight.data.copy_(emb_weight)
@@ -58,20 +77,27 @@ def test_lm_head_keeps_a_tied_weight():
     x = torch.randn(3, 16)
     for head in (tied, untied):
         head.process_weights_after_loading()
-        assert head.packed_weight is not None
+        assert head.packed_weight is not None and head.packed_by == mode
         assert torch.allclose(head.compute_logits(x), x @ emb_weight.T, atol=1e-5)
     assert tied.weight.shape == (50, 16)  # the embedding still looks rows up in it
     assert untied.weight.numel() == 0
 
 
-def test_switch_off_keeps_dense_weights(monkeypatch):
-    monkeypatch.setenv("KEEL_ONEDNN_GEMM", "0")
+def test_switch_off_keeps_dense_weights(gemm_mode):
+    gemm_mode("torch")
     layer = RowParallelLinear(32, 8)
     layer.weight.data = torch.randn(8, 32)
     layer.process_weights_after_loading()
     assert layer.packed_weight is None and layer.weight.shape == (8, 32)
     x = torch.randn(2, 32)
     assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+def test_a_bad_mode_names_the_variable(gemm_mode):
+    gemm_mode("fast")
+    layer = RowParallelLinear(32, 8)
+    with pytest.raises(ValueError, match="KEEL_CPU_GEMM='fast'.*auto, keel, onednn, torch"):
+        layer.process_weights_after_loading()
 
 
 def test_loader_packs_every_linear(hf_model_dir):
@@ -81,12 +107,15 @@ def test_loader_packs_every_linear(hf_model_dir):
     assert model.lm_head.packed_weight is not None
 
 
+@pytest.mark.parametrize("mode", ["keel", "onednn"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_in_float32_is_the_rounded_float32_gemm(monkeypatch, bias):
-    """Forced on (any CPU): a bfloat16 layer packs its weight's exact float32 upcast and
-    returns the float32 GEMM of the upcast input rounded once to bfloat16; the LM head too."""
+def test_bf16_in_float32_is_the_rounded_float32_gemm(monkeypatch, gemm_mode, mode, bias):
+    """Forced on (any CPU): a bfloat16 layer returns the float32 GEMM of the upcast input and
+    weight rounded once to bfloat16 (keel's GEMM keeps the weight in bfloat16, oneDNN's packs
+    its exact float32 upcast); the LM head too."""
     from keel.model_executor.layers import linear
 
+    gemm_mode(mode)
     monkeypatch.setattr(linear, "bf16_gemm_in_float32", lambda w: w.dtype == torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     layer = RowParallelLinear(96, 64, bias=bias, dtype=torch.bfloat16)
@@ -95,7 +124,9 @@ def test_bf16_in_float32_is_the_rounded_float32_gemm(monkeypatch, bias):
         layer.bias.data = torch.randn(64, generator=g).to(torch.bfloat16)
     w = layer.weight.detach().clone()
     layer.process_weights_after_loading()
-    assert layer.packed_upcast and layer.weight.numel() == 0
+    packed_by = "keel" if mode == "keel" else "onednn-upcast"
+    assert layer.packed_by == packed_by and layer.weight.numel() == 0
+    assert layer.packed_weight.dtype == (torch.bfloat16 if mode == "keel" else torch.float32)
     x = torch.randn(5, 96, generator=g).to(torch.bfloat16)
     want = F.linear(x.float(), w.float(), None if not bias else layer.bias.float())
     got = layer(x)
@@ -105,11 +136,37 @@ def test_bf16_in_float32_is_the_rounded_float32_gemm(monkeypatch, bias):
     head.weight.data = (0.1 * torch.randn(50, 96, generator=g)).to(torch.bfloat16)
     hw = head.weight.detach().clone()
     head.process_weights_after_loading()
-    assert head.packed_upcast
+    assert head.packed_by == packed_by
     logits = head.compute_logits(x)
     assert logits.dtype == torch.float32
     assert torch.allclose(logits, (x.float() @ hw.float().T).to(torch.bfloat16).float(),
                           rtol=1e-2, atol=1e-3)
+
+
+def test_keel_gemm_choice(monkeypatch):
+    """auto: keel's GEMM on an AVX2 CPU without measuring; elsewhere the faster of the two at
+    a decode shape, measured once per process."""
+    from keel.model_executor.layers import linear
+
+    calls = []
+
+    def fake_time(dtype, *args, kernel="onednn"):
+        calls.append(kernel)
+        return {"keel": 2.0, "onednn": 1.0}[kernel]  # oneDNN faster
+
+    monkeypatch.delenv("KEEL_CPU_GEMM", raising=False)
+    monkeypatch.setattr(linear, "_time_packed_gemm", fake_time)
+    monkeypatch.setattr(linear, "_keel_gemm_faster", None)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert linear.keel_gemm_chosen() and not calls
+    monkeypatch.setattr(linear, "_keel_gemm_faster", None)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not linear.keel_gemm_chosen() and not linear.keel_gemm_chosen()
+    assert sorted(calls) == ["keel", "onednn"]  # measured once
+    layer = RowParallelLinear(32, 8)
+    layer.weight.data = torch.randn(8, 32)
+    layer.process_weights_after_loading()
+    assert layer.packed_by == "onednn"
 
 
 def test_bf16_choice_is_measured_where_the_cpu_has_bf16(monkeypatch):

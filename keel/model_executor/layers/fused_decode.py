@@ -7,8 +7,8 @@ was within this machine's noise.
 
 The plan calls the same kernels as the Python layers, in the same order, with the same
 arguments (each linear layer the way `LinearBase._matmul` picks for the pass's row count:
-keel's quantized kernels up to the layer's `max_rows`, else the oneDNN-packed weight, else
-`F.linear`), so its output is bit-identical to theirs
+keel's quantized kernels up to the layer's `max_rows`, else the packed weight on keel's GEMM
+or oneDNN's, else `F.linear`), so its output is bit-identical to theirs
 (tests/model_executor/test_fused_decode.py checks that); the Python layers stay the path for
 every other pass and the reference.
 
@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 def _plan_linear(ops: Any, linear: Any) -> Any:
     """The layer as a `PlanLinear`, or None where the plan cannot compute it as the Python
     layer does."""
-    if linear.packed_upcast:  # a bfloat16 weight computed in float32: Python only
-        return None
+    if linear.packed_by == "onednn-upcast" or (
+            linear.packed_by == "keel" and linear.packed_weight.dtype != torch.float32):
+        return None  # a bfloat16 weight computed in float32: Python only
     w = linear.quant
     q = d = m = None
     max_rows = 0
@@ -62,7 +63,8 @@ def _plan_linear(ops: Any, linear: Any) -> Any:
         max_rows = w.max_rows if linear.has_dense() else ALL_ROWS
     weight = linear.weight if linear.weight.numel() else None
     return ops.PlanLinear(q, d, m, max_rows, quantization.ACTIVATION_PARTS,
-                          linear.packed_weight, weight, linear.bias)
+                          linear.packed_weight, weight, linear.bias,
+                          gemm_rows=linear.packed_rows if linear.packed_by == "keel" else 0)
 
 
 class FusedDecode:

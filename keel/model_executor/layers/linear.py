@@ -4,24 +4,35 @@ Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` th
 HF tensor (or this rank's slice of it) into the right rows. Merged layers (`qkv_proj`,
 `gate_up_proj`) are loaded from the separate HF tensors through `shard_id`.
 
-On the CPU, `process_weights_after_loading()` hands each weight to oneDNN once, in the blocked
-layout its GEMM reads fastest, and releases the dense copy (vLLM's CPU backend does the same).
-Measured here on the default model's shapes at 64 rows: 1.5x faster than `F.linear`'s MKL path
-in float32, 1.2x in bfloat16 (BENCHMARKS.md). `KEEL_ONEDNN_GEMM=0` keeps plain `F.linear`.
+On the CPU, `process_weights_after_loading()` packs each weight once for the GEMM that runs
+it and releases the dense copy (vLLM's CPU backend does the same with oneDNN). Two packed
+GEMMs, chosen once per process (`KEEL_CPU_GEMM=auto`, the default):
+- keel's own (csrc/gemm.cpp: panels of 16 output columns, each streamed from memory once per
+  block of rows while the next is prefetched). On an AVX2 CPU it is taken without measuring:
+  there it ran as fast as oneDNN with the weights hot in cache and 1.13-1.15x faster with them
+  cold, as in a real step that reads every layer's weights from memory (BENCHMARKS.md, sixth
+  round). On a CPU with AVX-512 (where oneDNN runs 16-lane kernels and keel's is 8-lane) the
+  two are timed once at a decode shape and the faster kept.
+- oneDNN's, through torch (`torch.ops.mkldnn`), in the blocked layout it reads fastest: 1.5x
+  faster than `F.linear`'s MKL path in float32 here, 1.2x in bfloat16.
+`KEEL_CPU_GEMM=keel|onednn` forces one; `KEEL_CPU_GEMM=torch` packs nothing (plain `F.linear`).
 
 A bfloat16 weight on a CPU without native bfloat16 dot products (AVX2 only, or AVX-512
-without AVX512-BF16) is packed as its exact float32 upcast instead, and the GEMM runs in
-float32 with the output rounded back to bfloat16: there oneDNN and torch emulate bfloat16
-GEMMs, 4x slower than float32 on an AVX2 EPYC. The result is the bfloat16 GEMM's (float32
-accumulation, one rounding), at twice the weight memory. Where the CPU has them, the two are
-timed once at load and the faster kept: native bfloat16 GEMMs ran at half the float32 rate on
-an Intel Xeon with AVX512-BF16 but no AMX, and at twice it on an AMD EPYC with AVX512-BF16.
+without AVX512-BF16) is computed in float32 with the output rounded back to bfloat16: there
+oneDNN and torch emulate bfloat16 GEMMs, 4x slower than float32 on an AVX2 EPYC. keel's GEMM
+keeps the weight in bfloat16 and widens it exactly in registers (half the bytes to stream);
+oneDNN's is given the weight's float32 upcast. Either way the result is the bfloat16 GEMM's
+(float32 accumulation, one rounding). Where the CPU has native bfloat16 GEMMs, they and
+float32 are timed once at load and the faster kept: native bfloat16 GEMMs ran at half the
+float32 rate on an Intel Xeon with AVX512-BF16 but no AMX, and at twice it on an AMD EPYC
+with AVX512-BF16.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,18 +63,30 @@ def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
 # oneDNN picks its blocked layout for a batch size; one packed for 64 rows was as fast as one
 # packed for the actual size at every size measured (1 to 2048 rows).
 _PACK_BATCH_HINT = 64
+_GEMM_MODES = ("auto", "keel", "onednn", "torch")
+
+
+def _gemm_mode() -> str:
+    mode = os.environ.get("KEEL_CPU_GEMM", "auto")
+    if mode not in _GEMM_MODES:
+        raise ValueError(f"KEEL_CPU_GEMM={mode!r}: expected one of {', '.join(_GEMM_MODES)}")
+    return mode
 
 
 def onednn_gemm_supported(weight: torch.Tensor) -> bool:
     """Whether `weight` can be packed for oneDNN's CPU GEMM (float32, or bfloat16 where the CPU
-    has native support), unless `KEEL_ONEDNN_GEMM=0`."""
-    if weight.device.type != "cpu" or os.environ.get("KEEL_ONEDNN_GEMM", "1") == "0":
+    has native support), unless `KEEL_CPU_GEMM=torch`."""
+    if weight.device.type != "cpu" or _gemm_mode() == "torch":
         return False
-    if not torch.backends.mkldnn.is_available() or _linear_pointwise is None:
+    if not _onednn_available():
         return False
     if weight.dtype == torch.float32:
         return True
     return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and _linear_pointwise is not None
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -72,60 +95,113 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 _bf16_slower_than_fp32: bool | None = None  # measured once per process
+_keel_gemm_faster: bool | None = None  # chosen once per process
+_keel_ops: Any = None  # keel's compiled kernels, once keel_gemm_chosen() has found them
 
 
 def bf16_gemm_in_float32(weight: torch.Tensor) -> bool:
-    """Whether a bfloat16 weight is computed in float32 over its exact upcast (see the module
-    docstring): always without native bfloat16 GEMMs, else when they measure slower."""
+    """Whether a bfloat16 weight is computed in float32 (see the module docstring): always
+    without native bfloat16 GEMMs, else when they measure slower."""
     global _bf16_slower_than_fp32
     if not (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and os.environ.get("KEEL_ONEDNN_GEMM", "1") != "0"
-            and torch.backends.mkldnn.is_available() and _linear_pointwise is not None):
+            and _gemm_mode() != "torch"):
         return False
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not (_onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return True
     if _bf16_slower_than_fp32 is None:
         _bf16_slower_than_fp32 = _time_packed_gemm(torch.bfloat16) > _time_packed_gemm(
             torch.float32)
         logger.info("bfloat16 weights: GEMMs in %s (measured faster on this CPU)",
-                    "float32 over their upcast" if _bf16_slower_than_fp32 else "bfloat16")
+                    "float32" if _bf16_slower_than_fp32 else "bfloat16")
     return _bf16_slower_than_fp32
 
 
-def _time_packed_gemm(dtype: torch.dtype, rows: int = 64, n: int = 1536, k: int = 576) -> float:
+def keel_gemm_chosen() -> bool:
+    """Whether float32 GEMMs run on keel's kernel (csrc/gemm.cpp) rather than oneDNN's; see
+    the module docstring. Decided once per process."""
+    global _keel_gemm_faster
+    mode = _gemm_mode()
+    if mode in ("torch", "onednn"):
+        return False
+    global _keel_ops
+    from keel.cpu_ops import get_cpu_ops
+
+    ops = get_cpu_ops()
+    if ops is None or not ops.gemm_available():
+        return False
+    _keel_ops = ops
+    if mode == "keel":
+        return True
+    if _keel_gemm_faster is None:
+        onednn = _onednn_available()
+        if not onednn or torch.backends.cpu.get_cpu_capability() == "AVX2":
+            _keel_gemm_faster = True
+        else:
+            _keel_gemm_faster = _time_packed_gemm(torch.float32, kernel="keel") < \
+                _time_packed_gemm(torch.float32)
+        logger.info("Linear layers run on %s's GEMM (%s)",
+                    "keel" if _keel_gemm_faster else "oneDNN",
+                    "measured faster on this CPU" if onednn and
+                    torch.backends.cpu.get_cpu_capability() != "AVX2" else "AVX2 CPU")
+    return _keel_gemm_faster
+
+
+def _time_packed_gemm(dtype: torch.dtype, rows: int = 64, n: int = 1536, k: int = 576,
+                      kernel: str = "onednn") -> float:
     """Best of 10 packed GEMMs at a decode-sized shape (the default model's gate_up)."""
     import time
 
-    packed = pack_weight(torch.randn(n, k).to(dtype))
+    w = torch.randn(n, k).to(dtype)
     x = torch.randn(rows, k).to(dtype)
-    packed_linear(x, packed)
+    if kernel == "keel":
+        from keel.cpu_ops import get_cpu_ops
+
+        ops, x = get_cpu_ops(), x.float()
+        packed = ops.gemm_pack(w)
+        fn = lambda: ops.gemm(x, packed, n)
+    else:
+        packed = pack_weight(w)
+        fn = lambda: packed_linear(x, packed)
+    fn()
     best = float("inf")
     for _ in range(10):
         t0 = time.perf_counter()
-        packed_linear(x, packed)
+        fn()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
 def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True) -> None:
-    """Pack `module.weight` into `module.packed_weight` where oneDNN can take it, and (unless
-    told to keep it) release the dense copy, as vLLM's CPU backend does."""
+    """Pack `module.weight` into `module.packed_weight` for the GEMM chosen for it
+    (`module.packed_by`: "keel", "onednn", or "onednn-upcast" for a bfloat16 weight given to
+    oneDNN as its float32 upcast), and (unless told to keep it) release the dense copy, as
+    vLLM's CPU backend does. Nothing is packed where neither GEMM takes the weight."""
     if module.packed_weight is not None:
         return
-    if bf16_gemm_in_float32(module.weight):
-        module.packed_weight = pack_weight(module.weight.float())
-        module.packed_upcast = True
-    elif onednn_gemm_supported(module.weight):
-        module.packed_weight = pack_weight(module.weight)
+    w = module.weight
+    in_float32 = bf16_gemm_in_float32(w)
+    if (w.dtype == torch.float32 or in_float32) and w.device.type == "cpu" \
+            and keel_gemm_chosen():
+        module.packed_weight, module.packed_by = _keel_ops.gemm_pack(w.detach()), "keel"
+    elif in_float32 and _onednn_available():
+        module.packed_weight, module.packed_by = pack_weight(w.float()), "onednn-upcast"
+    elif onednn_gemm_supported(w):
+        module.packed_weight, module.packed_by = pack_weight(w), "onednn"
     else:
         return
+    module.packed_rows = w.shape[0]
     if release_dense:
-        module.weight = nn.Parameter(module.weight.new_empty(0), False)
+        module.weight = nn.Parameter(w.new_empty(0), False)
 
 
 def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ packed weight (+ bias); in float32 for an upcast bfloat16 weight, rounded back."""
-    if module.packed_upcast:
+    """x @ packed weight (+ bias); in float32 for a bfloat16 weight computed in float32,
+    rounded back."""
+    if module.packed_by == "keel":
+        out = _keel_ops.gemm(x.float(), module.packed_weight, module.packed_rows,
+                             None if bias is None else bias.float())
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+    if module.packed_by == "onednn-upcast":
         out = packed_linear(x.float(), module.packed_weight,
                             None if bias is None else bias.float())
         return out.to(x.dtype)
@@ -169,12 +245,13 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None
-        self.packed_upcast = False  # packed_weight is a bfloat16 weight's float32 upcast
+        self.packed_by = ""  # which GEMM packed_weight is for (pack_for_cpu_gemm)
+        self.packed_rows = 0  # the weight's output rows
         # Weights kept quantized (keel/model_executor/quantize_model.py); then no dense copy.
         self.quant: QuantizedWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for oneDNN on the CPU and release the dense copy (a
+        """Pack the loaded weight for the CPU's GEMM and release the dense copy (a
         quantized layer's dense weight too, when it keeps one for large passes)."""
         if self.weight.numel():
             pack_for_cpu_gemm(self)

@@ -58,10 +58,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, dtype)
         self.tied = False
         self.packed_weight: torch.Tensor | None = None
-        self.packed_upcast = False
+        self.packed_by = ""  # as LinearBase's (layers/linear.py)
+        self.packed_rows = 0
 
     def process_weights_after_loading(self) -> None:
-        """Pack for oneDNN on the CPU (see linear.py). A tied weight stays: the embedding
+        """Pack for the CPU's GEMM (see linear.py). A tied weight stays: the embedding
         still looks rows up in it."""
         if self.weight.numel():
             pack_for_cpu_gemm(self, release_dense=not self.tied)

@@ -1,0 +1,227 @@
+// keel's float32 GEMM for the CPU: out [M, N] = x [M, K] @ W^T (+ bias), with W packed once at
+// load into panels of 16 output columns, each panel K rows of 16 weights in a row:
+//
+//   gemm_pack(W [N, K] float32 or bfloat16) -> [ceil(N / 16), K, 16] of the same dtype
+//   gemm(x [M, K] float32, packed, N, bias) -> [M, N] float32
+//
+// Why not oneDNN: at a decode step's shapes (64 rows against the default model's weights)
+// oneDNN's packed GEMM reaches its rate only with the weight hot in cache; a real step reads
+// every layer's weights from memory once, and there the same GEMMs ran ~1.2-1.35x slower
+// (BENCHMARKS.md, fifth round). Here each thread streams its panels once per block of rows,
+// a panel is reused from L1/L2 by every 6-row tile of the block, and while a panel is being
+// used the next one is prefetched into L2, a few lines per tile, so the stream from memory
+// overlaps the arithmetic instead of stalling the first tile of every panel.
+//
+// A bfloat16 weight stays bfloat16 (half the bytes to stream) and is widened exactly in
+// registers; each 32-bit word of its panel row holds column j in the low half and column
+// j + 8 in the high half, so one load, a shift and a mask give the 16 floats. The arithmetic
+// is float32 throughout (as oneDNN's GEMM over the weight's float32 upcast), accumulated over
+// k in order for every output.
+//
+// AVX2 + FMA intrinsics (8 lanes); `gemm_available()` is false on other CPUs, where keel keeps
+// oneDNN. Where AVX-512 is present, keel/model_executor/layers/linear.py times both at load.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+bool gemm_available() { return true; }
+
+namespace {
+
+constexpr int64_t kCols = 16;      // output columns per panel (two AVX2 registers)
+constexpr int kRows = 6;           // rows per register tile: 12 accumulators
+constexpr int64_t kBlockBytes = 384 * 1024;  // a block of x rows that stays in L2
+
+inline void load_cols(const float* w, __m256& b0, __m256& b1) {
+  b0 = _mm256_loadu_ps(w);
+  b1 = _mm256_loadu_ps(w + 8);
+}
+
+inline void load_cols(const uint16_t* w, __m256& b0, __m256& b1) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  b0 = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+  b1 = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// One register tile: R rows of x against one panel, over all of K. `pf` .. `pf_end` are lines
+// of the next panel to prefetch, one every 8 steps of k.
+template <int R, typename W>
+void tile(const float* x, int64_t ldx, const W* w, int64_t k_len, float* out, int64_t ldo,
+          const float* bias, int64_t cols, const char* pf, const char* pf_end) {
+  __m256 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= k_len; k += 8) {
+    if (pf < pf_end) {
+      _mm_prefetch(pf, _MM_HINT_T1);
+      pf += 64;
+    }
+#pragma GCC unroll 8
+    for (int64_t kk = k; kk < k + 8; ++kk) {
+      __m256 b0, b1;
+      load_cols(w + kk * kCols, b0, b1);
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x + r * ldx + kk);
+        c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+        c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+      }
+    }
+  }
+  for (; k < k_len; ++k) {
+    __m256 b0, b1;
+    load_cols(w + k * kCols, b0, b1);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+  if (bias != nullptr) {
+    float b[kCols] = {};
+    std::memcpy(b, bias, cols * sizeof(float));
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    for (int r = 0; r < R; ++r) {
+      c0[r] = _mm256_add_ps(c0[r], b0);
+      c1[r] = _mm256_add_ps(c1[r], b1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* o = out + r * ldo;
+    if (cols == kCols) {
+      _mm256_storeu_ps(o, c0[r]);
+      _mm256_storeu_ps(o + 8, c1[r]);
+    } else {  // the last panel of an N that is not a multiple of 16
+      float tmp[kCols];
+      _mm256_storeu_ps(tmp, c0[r]);
+      _mm256_storeu_ps(tmp + 8, c1[r]);
+      std::memcpy(o, tmp, cols * sizeof(float));
+    }
+  }
+}
+
+template <typename W>
+void tile_rows(int rows, const float* x, int64_t ldx, const W* w, int64_t k_len, float* out,
+               int64_t ldo, const float* bias, int64_t cols, const char* pf,
+               const char* pf_end) {
+  switch (rows) {
+    case 6: tile<6>(x, ldx, w, k_len, out, ldo, bias, cols, pf, pf_end); break;
+    case 5: tile<5>(x, ldx, w, k_len, out, ldo, bias, cols, pf, pf_end); break;
+    case 4: tile<4>(x, ldx, w, k_len, out, ldo, bias, cols, pf, pf_end); break;
+    case 3: tile<3>(x, ldx, w, k_len, out, ldo, bias, cols, pf, pf_end); break;
+    case 2: tile<2>(x, ldx, w, k_len, out, ldo, bias, cols, pf, pf_end); break;
+    default: tile<1>(x, ldx, w, k_len, out, ldo, bias, cols, pf, pf_end); break;
+  }
+}
+
+// Rows in blocks whose x stays in L2; in a block, each thread takes a range of panels and
+// runs every 6-row tile of the block over each panel in turn, prefetching the next panel of
+// its range a few lines per tile.
+template <typename W>
+void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
+              const float* bias, float* out) {
+  const int64_t panels = (n + kCols - 1) / kCols;
+  const int64_t panel_elems = k * kCols;
+  const int64_t panel_bytes = panel_elems * static_cast<int64_t>(sizeof(W));
+  const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (k * 4) / kRows * kRows);
+  for (int64_t m0 = 0; m0 < m; m0 += block) {
+    const int64_t tiles = (std::min(block, m - m0) + kRows - 1) / kRows;
+    const int64_t share = (panel_bytes + tiles - 1) / tiles;  // bytes prefetched per tile
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const W* w = packed + p * panel_elems;
+        const char* next = reinterpret_cast<const char*>(w + panel_elems);
+        const int64_t cols = std::min(kCols, n - p * kCols);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t r0 = m0 + t * kRows;
+          const int64_t pf0 = p + 1 < end ? std::min(panel_bytes, t * share) : 0;
+          const int64_t pf1 = p + 1 < end ? std::min(panel_bytes, (t + 1) * share) : 0;
+          tile_rows<W>(static_cast<int>(std::min<int64_t>(kRows, m - r0)), x + r0 * k, k, w,
+                       k, out + r0 * n + p * kCols, n, bias ? bias + p * kCols : nullptr,
+                       cols, next + pf0, next + pf1);
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+
+at::Tensor gemm_pack(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "gemm_pack: weight must be a float32 or bfloat16 [N, K] CPU tensor");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kCols - 1) / kCols;
+  at::Tensor packed = at::zeros({panels, k, kCols}, w.options());
+  if (w.scalar_type() == at::kFloat) {
+    const float* src = w.data_ptr<float>();
+    float* dst = packed.data_ptr<float>();
+    at::parallel_for(0, panels, 1, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p)
+        for (int64_t j = 0; j < std::min(kCols, n - p * kCols); ++j)
+          for (int64_t kk = 0; kk < k; ++kk)
+            dst[(p * k + kk) * kCols + j] = src[(p * kCols + j) * k + kk];
+    });
+  } else {  // word j of a row: column j (low half), column j + 8 (high half)
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+    at::parallel_for(0, panels, 1, [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p)
+        for (int64_t j = 0; j < std::min(kCols, n - p * kCols); ++j) {
+          const int64_t slot = j < 8 ? 2 * j : 2 * (j - 8) + 1;
+          for (int64_t kk = 0; kk < k; ++kk)
+            dst[(p * k + kk) * kCols + slot] = src[(p * kCols + j) * k + kk];
+        }
+    });
+  }
+  return packed;
+}
+
+at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "gemm: x must be a float32 [M, K] CPU tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous() &&
+                  packed.size(0) == (n + kCols - 1) / kCols && packed.size(1) == x.size(1),
+              "gemm: packed must be gemm_pack's [ceil(N/16), K, 16] for N = ", n,
+              " and K = x.size(1) = ", x.size(1));
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == n, "gemm: bias must be a contiguous float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1);
+  at::Tensor out = at::empty({m, n}, xc.options());
+  if (m == 0) return out;
+  if (packed.scalar_type() == at::kFloat)
+    run_gemm(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b, out.data_ptr<float>());
+  else if (packed.scalar_type() == at::kBFloat16)
+    run_gemm(xc.data_ptr<float>(), m, k,
+             reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), n, b,
+             out.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "gemm: packed weights are float32 or bfloat16");
+  return out;
+}
+
+#else  // no AVX2 + FMA: keel keeps oneDNN (layers/linear.py asks gemm_available())
+
+bool gemm_available() { return false; }
+at::Tensor gemm_pack(at::Tensor) { TORCH_CHECK(false, "gemm_pack needs AVX2 and FMA"); }
+at::Tensor gemm(at::Tensor, at::Tensor, int64_t, std::optional<at::Tensor>) {
+  TORCH_CHECK(false, "gemm needs AVX2 and FMA");
+}
+
+#endif

@@ -110,15 +110,20 @@ def gemm_floor(model, rows: int, dtype) -> dict:
     """The step's GEMMs (every linear layer and the LM head at `rows` rows) timed alone at the
     best rate this machine reaches for each shape in a precision the model may be computed in
     without changing its weights: float32 for a float32 model; bfloat16 or float32 (exact
-    upcast) for a bfloat16 one. Each shape: plain `F.linear` and oneDNN-packed, best of 20."""
+    upcast) for a bfloat16 one. Each shape: plain `F.linear`, oneDNN-packed and keel's own
+    GEMM (csrc/gemm.cpp; float32 over a float32 or bfloat16 weight), best of 20 each, with the
+    weight hot in cache."""
     import torch
 
+    from keel.cpu_ops import get_cpu_ops
     from keel.model_executor.layers.linear import (
         LinearBase,
         onednn_gemm_supported,
         pack_weight,
         packed_linear,
     )
+
+    ops = get_cpu_ops()
 
     shapes: dict[tuple[int, int], int] = {}  # (out, in) -> count
     for m in model.modules():
@@ -139,6 +144,9 @@ def gemm_floor(model, rows: int, dtype) -> dict:
             if onednn_gemm_supported(w):
                 packed = pack_weight(w)
                 candidates.append(lambda p=packed, x=x: packed_linear(x, p))
+            if ops is not None and ops.gemm_available():
+                panels, xf = ops.gemm_pack(w), x.float()
+                candidates.append(lambda p=panels, x=xf, n=n_out: ops.gemm(x, p, n))
             for fn in candidates:
                 fn()
                 for _ in range(20):

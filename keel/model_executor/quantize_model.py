@@ -186,7 +186,8 @@ def choose_rows_per_pass(model: nn.Module, rows: tuple[int, ...] = (1, 8, 64)) -
     cache = _RowsCache()
     for (kind, n, k), layers in groups.items():
         dtype = layers[0].weight.dtype
-        key = f"{kind} {n}x{k} {dtype}"
+        # The dense side is whichever packed GEMM the layers got (layers/linear.py).
+        key = f"{kind} {n}x{k} {dtype} vs {layers[0].packed_by}"
         max_rows = cache.get(key)
         if max_rows is None:
             layers = layers[:32]

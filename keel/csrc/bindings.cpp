@@ -13,7 +13,7 @@ PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
                        std::optional<at::Tensor> m, int64_t max_rows, int64_t act_parts,
                        std::optional<at::Tensor> packed, std::optional<at::Tensor> weight,
                        std::optional<at::Tensor> bias, pybind11::object w8a8,
-                       int64_t gemm_rows) {
+                       int64_t gemm_rows, bool float32_compute) {
   PlanLinear lin;
   if (!w8a8.is_none()) lin.w8a8 = torch::jit::toIValue(w8a8, c10::AnyType::get());
   if (max_rows > 0) {
@@ -30,6 +30,7 @@ PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
   lin.weight = weight.value_or(at::Tensor());
   lin.bias = bias.value_or(at::Tensor());
   lin.gemm_rows = gemm_rows;
+  lin.float32_compute = float32_compute;
   TORCH_CHECK(gemm_rows == 0 || (lin.packed.defined() && lin.packed.dim() == 3),
               "PlanLinear: gemm_rows > 0 needs `packed` from gemm_pack");
   TORCH_CHECK(!lin.w8a8.isNone() || lin.packed.defined() ||
@@ -81,10 +82,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("m"), pybind11::arg("max_rows"), pybind11::arg("act_parts"),
            pybind11::arg("packed"), pybind11::arg("weight"), pybind11::arg("bias"),
            pybind11::arg("w8a8") = pybind11::none(), pybind11::arg("gemm_rows") = 0,
-           "(q, d, m, max_rows, act_parts, packed, weight, bias, w8a8=None, gemm_rows=0): the "
-           "quantized form (used up to max_rows rows; 0: none), the packed weight (oneDNN's, "
-           "or keel's gemm_pack panels of a weight with gemm_rows output rows) and the dense "
-           "weight, or fbgemm's packed w8a8 weight");
+           pybind11::arg("float32_compute") = false,
+           "(q, d, m, max_rows, act_parts, packed, weight, bias, w8a8=None, gemm_rows=0, "
+           "float32_compute=False): the quantized form (used up to max_rows rows; 0: none), "
+           "the packed weight (oneDNN's, or keel's gemm_pack panels of a weight with gemm_rows "
+           "output rows; a bfloat16 pass over it computed in float32 where float32_compute or "
+           "gemm_rows) and the dense weight, or fbgemm's packed w8a8 weight");
   pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a decode pass in one call")
       .def(pybind11::init<>())
       .def("add_layer", &add_layer, "one Llama-family decoder layer's weights and cache")

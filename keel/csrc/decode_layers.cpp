@@ -69,6 +69,15 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
     }
     return bias.defined() ? out.add_(bias) : out;
   }
+  if ((gemm_rows > 0 || float32_compute) && x.scalar_type() != at::kFloat) {
+    const at::Tensor xf = x.to(at::kFloat);
+    const std::optional<at::Tensor> bf = bias.defined()
+                                             ? std::optional<at::Tensor>(bias.to(at::kFloat))
+                                             : std::nullopt;
+    const at::Tensor out = gemm_rows > 0 ? gemm(xf, packed, gemm_rows, bf)
+                                         : linear_pointwise(xf, packed, bf);
+    return out.to(x.scalar_type());
+  }
   const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias)
                                                      : std::nullopt;
   if (gemm_rows > 0) return gemm(x, packed, gemm_rows, b);
@@ -81,8 +90,9 @@ std::tuple<at::Tensor, at::Tensor> DecodePlan::run(at::Tensor hidden,
                                                    at::Tensor positions,
                                                    at::Tensor block_table, at::Tensor seq_lens,
                                                    at::Tensor slot_mapping) const {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat,
-              "DecodePlan.run: hidden must be float32 [M, hidden]");
+  TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kFloat ||
+                                    hidden.scalar_type() == at::kBFloat16),
+              "DecodePlan.run: hidden must be float32 or bfloat16 [M, hidden]");
   const int64_t rows = hidden.size(0);
   // Converted once for all layers (paged_attention would convert them in every layer).
   block_table = block_table.to(at::kInt).contiguous();

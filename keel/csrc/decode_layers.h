@@ -26,6 +26,9 @@ struct PlanLinear {
   int64_t act_parts = 0;        // quant_linear's activations, as the Python layers choose
   at::Tensor packed, weight, bias;  // packed / dense weight, bias; each may be undefined
   int64_t gemm_rows = 0;  // > 0: `packed` is keel's gemm_pack panels of this many rows
+  // A bfloat16 pass computed in float32 and rounded back (keel's panels, or oneDNN's
+  // float32 upcast), as layers/linear.py cpu_gemm does.
+  bool float32_compute = false;
   // quantization="w8a8": fbgemm's packed int8 weight (a LinearPackedParams script object),
   // run as quantized_linear runs it, at every pass size; None otherwise.
   c10::IValue w8a8;
@@ -46,7 +49,7 @@ class DecodePlan {
  public:
   void add_layer(DecodeLayer layer) { layers_.push_back(std::move(layer)); }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-  // hidden [M, hidden] float32 (the embedding's output, or the previous stage's with
+  // hidden [M, hidden] in the model's dtype (the embedding's output, or the previous stage's with
   // `residual`) -> (hidden, residual) after every layer, as LlamaModel's loop returns them.
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, std::optional<at::Tensor> residual,
                                          at::Tensor positions, at::Tensor block_table,

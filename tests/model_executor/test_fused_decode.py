@@ -3,7 +3,7 @@ layers of a decode pass in one C++ call. It runs the Python layers' kernels with
 arguments, so the engine's output must be bit-identical with it on and off
 (KEEL_FUSED_DECODE=0): the same tokens and the same log-probabilities, for every
 Llama-family variant (GQA and llama3 RoPE, Qwen2's qkv bias, Qwen3's q/k norm, Mistral's
-sliding window), for dense float32, int8, int4 and w8a8 weights; with quantized weights, passes of
+sliding window), for dense float32 and bfloat16, int8, int4 and w8a8 weights; with quantized weights, passes of
 6 rows take the dense weights and passes of 3 the quantized kernels."""
 
 from __future__ import annotations
@@ -57,15 +57,17 @@ def generate(folder: str, quantization: str | None, fused: bool, monkeypatch, pr
     return tokens, logprobs, calls
 
 
-@pytest.mark.parametrize("arch,quantization", [
-    ("llama", None), ("qwen2", None), ("qwen3", None), ("mistral", None),
-    ("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int8"), ("mistral", "int8"),
-    ("qwen3", "int4"), ("mistral", "int4"), ("qwen2", "w8a8"), ("llama", "w8a8"),
+@pytest.mark.parametrize("arch,quantization,dtype", [
+    ("llama", None, "float32"), ("qwen2", None, "float32"), ("qwen3", None, "float32"),
+    ("mistral", None, "float32"), ("llama", "int8", "float32"), ("qwen2", "int8", "float32"),
+    ("qwen3", "int8", "float32"), ("mistral", "int8", "float32"), ("qwen3", "int4", "float32"),
+    ("mistral", "int4", "float32"), ("qwen2", "w8a8", "float32"), ("llama", "w8a8", "float32"),
+    ("llama", None, "bfloat16"), ("qwen2", None, "bfloat16"), ("qwen3", None, "bfloat16"),
 ])
-def test_fused_decode_is_bit_identical(arch, quantization, hf_model_dir, monkeypatch):
+def test_fused_decode_is_bit_identical(arch, quantization, dtype, hf_model_dir, monkeypatch):
     folder = hf_model_dir(arch)
-    tok_on, lp_on, on = generate(folder, quantization, True, monkeypatch)
-    tok_off, lp_off, off = generate(folder, quantization, False, monkeypatch)
+    tok_on, lp_on, on = generate(folder, quantization, True, monkeypatch, dtype=dtype)
+    tok_off, lp_off, off = generate(folder, quantization, False, monkeypatch, dtype=dtype)
     assert on["fused"] >= 39, on  # every decode pass (6 rows, then 3)
     assert off["fused"] == 0
     assert tok_on == tok_off
@@ -73,10 +75,11 @@ def test_fused_decode_is_bit_identical(arch, quantization, hf_model_dir, monkeyp
 
 
 def test_not_taken_where_it_does_not_apply(hf_model_dir, monkeypatch):
-    """Prompt passes run the Python layers; so does every pass of a bfloat16 model."""
+    """Prompt passes run the Python layers; so does every pass of a bfloat16 model with
+    quantized weights."""
     _, _, calls = generate(hf_model_dir("qwen3"), None, True, monkeypatch)
     assert calls["python"] >= 1 and calls["fused"] >= 39  # the prompts' pass
-    _, _, calls = generate(hf_model_dir("qwen3"), None, True, monkeypatch, dtype="bfloat16")
+    _, _, calls = generate(hf_model_dir("qwen3"), "int8", True, monkeypatch, dtype="bfloat16")
     assert calls["fused"] == 0 and calls["python"] >= 40
 
 

@@ -13,9 +13,10 @@ or oneDNN's, else `F.linear`), so its output is bit-identical to theirs
 every other pass and the reference.
 
 It is taken when all of these hold, else the Python layers run:
-- the model: keel's compiled kernels, tensor parallel size 1, float32 (a bfloat16 model's
-  layers run in Python), a SiLU MLP, every quantized linear in keel's own form (int4 groups
-  of 32 with K a multiple of 32, or int8 per row), KV cache bound in float32;
+- the model: keel's compiled kernels, tensor parallel size 1, float32 or bfloat16 (a
+  bfloat16 layer's GEMM computed in float32 and rounded back, as the Python layer does), a
+  SiLU MLP, every quantized linear in keel's own form (int4 groups of 32 with K a multiple
+  of 32, or int8 per row; float32 models only), KV cache bound in the model's dtype;
 - the pass: every row is one decode token (no prompt chunk, no draft tokens).
 `KEEL_FUSED_DECODE=0` turns it off.
 """
@@ -41,13 +42,12 @@ from keel.model_executor.layers.quantization import (
 logger = logging.getLogger(__name__)
 
 
-def _plan_linear(ops: Any, linear: Any) -> Any:
+def _plan_linear(ops: Any, linear: Any, dtype: torch.dtype) -> Any:
     """The layer as a `PlanLinear`, or None where the plan cannot compute it as the Python
     layer does."""
-    if linear.packed_by == "onednn-upcast" or (
-            linear.packed_by == "keel" and linear.packed_weight.dtype != torch.float32):
-        return None  # a bfloat16 weight computed in float32: Python only
     w = linear.quant
+    if w is not None and dtype != torch.float32:
+        return None  # quantized layers of a bfloat16 model: Python only
     q = d = m = None
     max_rows = 0
     if isinstance(w, W8A8Weight):
@@ -64,7 +64,8 @@ def _plan_linear(ops: Any, linear: Any) -> Any:
     weight = linear.weight if linear.weight.numel() else None
     return ops.PlanLinear(q, d, m, max_rows, quantization.ACTIVATION_PARTS,
                           linear.packed_weight, weight, linear.bias,
-                          gemm_rows=linear.packed_rows if linear.packed_by == "keel" else 0)
+                          gemm_rows=linear.packed_rows if linear.packed_by == "keel" else 0,
+                          float32_compute=linear.packed_by == "onednn-upcast")
 
 
 class FusedDecode:
@@ -74,6 +75,7 @@ class FusedDecode:
     def __init__(self) -> None:
         self.plan: Any = None  # the DecodePlan; False once the model is known not to qualify
         self._cache = None  # the first layer's KV cache the plan was built with
+        self._dtype: torch.dtype | None = None  # the model's, which the plan computes in
 
     def __call__(self, model: Any, positions: torch.Tensor, hidden: torch.Tensor,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -89,7 +91,7 @@ class FusedDecode:
         t = hidden.shape[0]
         if (meta is None or meta.query_rows is not None or meta.long_chunks is not None
                 or meta.num_actual_tokens != t or meta.seq_lens.shape[0] != t
-                or hidden.dtype != torch.float32):
+                or hidden.dtype != self._dtype):
             return None
         return self.plan.run(hidden, residual, positions, meta.block_table, meta.seq_lens,
                              meta.slot_mapping)
@@ -102,21 +104,22 @@ class FusedDecode:
         if layers[0].self_attn.attn.kv_cache is None:
             return None
         ops = get_cpu_ops() if hidden.device.type == "cpu" else None
+        dtype = hidden.dtype
         if (os.environ.get("KEEL_FUSED_DECODE", "1") == "0" or ops is None
-                or not hasattr(ops, "DecodePlan")
+                or not hasattr(ops, "DecodePlan") or dtype not in (torch.float32, torch.bfloat16)
                 or get_tensor_model_parallel_world_size() != 1):
             return False
         plan = ops.DecodePlan()
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [_plan_linear(ops, lin) for lin in (attn.qkv_proj, attn.o_proj,
-                                                           mlp.gate_up_proj, mlp.down_proj)]
+            linears = [_plan_linear(ops, lin, dtype) for lin in (
+                attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             cache = attn.attn.kv_cache
             if (any(lin is None for lin in linears) or not mlp.is_silu or cache is None
-                    or cache.dtype != torch.float32 or not cache.is_contiguous()
-                    or layer.input_layernorm.weight.dtype != torch.float32):
+                    or cache.dtype != dtype or not cache.is_contiguous()
+                    or layer.input_layernorm.weight.dtype != dtype):
                 return False
-            cos, sin = attn.rotary_emb._cos_sin_in(torch.float32)
+            cos, sin = attn.rotary_emb._cos_sin_in(dtype)
             plan.add_layer(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 layer.input_layernorm.eps, linears,
@@ -124,7 +127,7 @@ class FusedDecode:
                 None if attn.k_norm is None else attn.k_norm.weight,
                 cos, sin, cache, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                 attn.attn.scale, attn.attn.sliding_window or 0)
-        self._cache = layers[0].self_attn.attn.kv_cache
+        self._cache, self._dtype = layers[0].self_attn.attn.kv_cache, dtype
         logger.info("Decode passes run the %d decoder layers in one C++ call "
                     "(keel/csrc/decode_layers.cpp).", plan.num_layers)
         return plan

@@ -29,6 +29,16 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def assert_logits_and_greedy_match(model, hf, prompt: list[int]) -> None:
+    """One prompt's logits within 1e-4 of transformers', and 16 greedy tokens identical."""
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    out = DirectRunner(model, max_reqs=1, max_len=128).step([0], [prompt], [0], all_rows=True)
+    assert (out - ref).abs().max().item() < 1e-4
+    got = DirectRunner(model, max_reqs=1, max_len=128).greedy([prompt], 16)[0]
+    assert got == hf_greedy(hf, prompt, 16)
+
+
 @pytest.fixture(scope="module")
 def loaded(hf_model_dir):
     cache = {}
@@ -144,13 +154,7 @@ def test_torch_fallback_paths_match_transformers(arch, hf_model_dir, monkeypatch
     folder = hf_model_dir(arch)
     model, hf = load_model(ModelConfig(folder, dtype="float32")), hf_reference(folder)
     assert all(getattr(m, "packed_weight", None) is None for m in model.modules())
-    prompt = random_prompt(21, seed=4)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    out = DirectRunner(model, max_reqs=1, max_len=128).step([0], [prompt], [0], all_rows=True)
-    assert (out - ref).abs().max().item() < 1e-4
-    got = DirectRunner(model, max_reqs=1, max_len=128).greedy([prompt], 16)[0]
-    assert got == hf_greedy(hf, prompt, 16)
+    assert_logits_and_greedy_match(model, hf, random_prompt(21, seed=4))
 
 
 @pytest.mark.parametrize("mode", ["keel", "onednn"])
@@ -162,10 +166,4 @@ def test_each_cpu_gemm_matches_transformers(mode, hf_model_dir, monkeypatch):
     model, hf = load_model(ModelConfig(folder, dtype="float32")), hf_reference(folder)
     assert {getattr(m, "packed_by", "") for m in model.modules()
             if getattr(m, "packed_weight", None) is not None} == {mode}
-    prompt = random_prompt(21, seed=5)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    out = DirectRunner(model, max_reqs=1, max_len=128).step([0], [prompt], [0], all_rows=True)
-    assert (out - ref).abs().max().item() < 1e-4
-    got = DirectRunner(model, max_reqs=1, max_len=128).greedy([prompt], 16)[0]
-    assert got == hf_greedy(hf, prompt, 16)
+    assert_logits_and_greedy_match(model, hf, random_prompt(21, seed=5))

@@ -54,6 +54,19 @@ inline void load_cols(const uint16_t* w, __m256& b0, __m256& b1) {
   b1 = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(int(0xFFFF0000u))));
 }
 
+// Step k of a tile: the panel's 16 weights of row k times each of the R rows' x[k].
+template <int R, typename W>
+__attribute__((always_inline)) inline void fma_step(const float* x, int64_t ldx, const W* w,
+                                                    int64_t k, __m256* c0, __m256* c1) {
+  __m256 b0, b1;
+  load_cols(w + k * kCols, b0, b1);
+  for (int r = 0; r < R; ++r) {
+    const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+    c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+    c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+  }
+}
+
 // One register tile: R rows of x against one panel, over all of K. `pf` .. `pf_end` are lines
 // of the next panel to prefetch, one every 8 steps of k.
 template <int R, typename W>
@@ -68,25 +81,9 @@ void tile(const float* x, int64_t ldx, const W* w, int64_t k_len, float* out, in
       pf += 64;
     }
 #pragma GCC unroll 8
-    for (int64_t kk = k; kk < k + 8; ++kk) {
-      __m256 b0, b1;
-      load_cols(w + kk * kCols, b0, b1);
-      for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(x + r * ldx + kk);
-        c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
-        c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
-      }
-    }
+    for (int64_t kk = k; kk < k + 8; ++kk) fma_step<R>(x, ldx, w, kk, c0, c1);
   }
-  for (; k < k_len; ++k) {
-    __m256 b0, b1;
-    load_cols(w + k * kCols, b0, b1);
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
-      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
-      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
-    }
-  }
+  for (; k < k_len; ++k) fma_step<R>(x, ldx, w, k, c0, c1);
   if (bias != nullptr) {
     float b[kCols] = {};
     std::memcpy(b, bias, cols * sizeof(float));

@@ -30,6 +30,7 @@ using keel::load8;
 using keel::v16;
 using keel::v8;
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head kept in registers
+constexpr int64_t kItemCost = 16;  // an item's fixed cost beside its keys, in keys
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
@@ -138,7 +139,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
   T* o_ptr = out.data_ptr<T>();
   const int64_t block_elems = Hkv * bs * D;  // between blocks; a head's run is bs * D
 
-  at::parallel_for(0, R * Hkv, 1, [&](int64_t begin, int64_t end) {
+  auto run_items = [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / Hkv, hk = item % Hkv;  // query row, kv head
@@ -200,6 +201,27 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
         for (int64_t d = 0; d < D; ++d)
           o_ptr[(r * H + hk * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
     }
+  };
+  // Each thread takes a contiguous range of (row, kv head) items holding an equal share of
+  // the keys to read (rows' contexts differ: an even split by count left one thread waiting).
+  const int64_t items = R * Hkv;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  if (threads <= 1) {
+    at::parallel_for(0, items, 1, run_items);
+    return;
+  }
+  std::vector<int64_t> cost(items + 1, 0);  // keys read before item i, plus a fixed cost
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t len = sl[i / Hkv];
+    const int64_t n = sliding_window > 0 ? std::min(len, sliding_window) : len;
+    cost[i + 1] = cost[i] + std::max<int64_t>(n, 0) + kItemCost;
+  }
+  auto bound = [&](int64_t t) {  // the first item of thread t's share
+    return static_cast<int64_t>(
+        std::lower_bound(cost.begin(), cost.end(), cost[items] * t / threads) - cost.begin());
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
+    for (int64_t t = tb; t < te; ++t) run_items(bound(t), bound(t + 1));
   });
 }
 

@@ -119,11 +119,10 @@ def bf16_gemm_in_float32(weight: torch.Tensor) -> bool:
 def keel_gemm_chosen() -> bool:
     """Whether float32 GEMMs run on keel's kernel (csrc/gemm.cpp) rather than oneDNN's; see
     the module docstring. Decided once per process."""
-    global _keel_gemm_faster
+    global _keel_gemm_faster, _keel_ops
     mode = _gemm_mode()
     if mode in ("torch", "onednn"):
         return False
-    global _keel_ops
     from keel.cpu_ops import get_cpu_ops
 
     ops = get_cpu_ops()
@@ -133,16 +132,12 @@ def keel_gemm_chosen() -> bool:
     if mode == "keel":
         return True
     if _keel_gemm_faster is None:
-        onednn = _onednn_available()
-        if not onednn or torch.backends.cpu.get_cpu_capability() == "AVX2":
-            _keel_gemm_faster = True
-        else:
-            _keel_gemm_faster = _time_packed_gemm(torch.float32, kernel="keel") < \
-                _time_packed_gemm(torch.float32)
+        measure = _onednn_available() and torch.backends.cpu.get_cpu_capability() != "AVX2"
+        _keel_gemm_faster = not measure or (_time_packed_gemm(torch.float32, kernel="keel")
+                                            < _time_packed_gemm(torch.float32))
         logger.info("Linear layers run on %s's GEMM (%s)",
                     "keel" if _keel_gemm_faster else "oneDNN",
-                    "measured faster on this CPU" if onednn and
-                    torch.backends.cpu.get_cpu_capability() != "AVX2" else "AVX2 CPU")
+                    "measured faster on this CPU" if measure else "AVX2 CPU, or no oneDNN")
     return _keel_gemm_faster
 
 
@@ -153,12 +148,9 @@ def _time_packed_gemm(dtype: torch.dtype, rows: int = 64, n: int = 1536, k: int 
 
     w = torch.randn(n, k).to(dtype)
     x = torch.randn(rows, k).to(dtype)
-    if kernel == "keel":
-        from keel.cpu_ops import get_cpu_ops
-
-        ops, x = get_cpu_ops(), x.float()
-        packed = ops.gemm_pack(w)
-        fn = lambda: ops.gemm(x, packed, n)
+    if kernel == "keel":  # called by keel_gemm_chosen(), which has found _keel_ops
+        packed, x = _keel_ops.gemm_pack(w), x.float()
+        fn = lambda: _keel_ops.gemm(x, packed, n)
     else:
         packed = pack_weight(w)
         fn = lambda: packed_linear(x, packed)

@@ -69,20 +69,16 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
     }
     return bias.defined() ? out.add_(bias) : out;
   }
-  if ((gemm_rows > 0 || float32_compute) && x.scalar_type() != at::kFloat) {
-    const at::Tensor xf = x.to(at::kFloat);
-    const std::optional<at::Tensor> bf = bias.defined()
-                                             ? std::optional<at::Tensor>(bias.to(at::kFloat))
-                                             : std::nullopt;
-    const at::Tensor out = gemm_rows > 0 ? gemm(xf, packed, gemm_rows, bf)
-                                         : linear_pointwise(xf, packed, bf);
-    return out.to(x.scalar_type());
-  }
-  const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias)
-                                                     : std::nullopt;
-  if (gemm_rows > 0) return gemm(x, packed, gemm_rows, b);
-  if (packed.defined()) return linear_pointwise(x, packed, b);
-  return at::linear(x, weight, b);
+  // A bfloat16 pass over keel's panels or oneDNN's upcast: in float32, rounded back once.
+  const bool upcast = (gemm_rows > 0 || float32_compute) && x.scalar_type() != at::kFloat;
+  const at::Tensor xin = upcast ? x.to(at::kFloat) : x;
+  const std::optional<at::Tensor> b =
+      bias.defined() ? std::optional<at::Tensor>(upcast ? bias.to(at::kFloat) : bias)
+                     : std::nullopt;
+  const at::Tensor out = gemm_rows > 0      ? gemm(xin, packed, gemm_rows, b)
+                         : packed.defined() ? linear_pointwise(xin, packed, b)
+                                            : at::linear(xin, weight, b);
+  return upcast ? out.to(x.scalar_type()) : out;
 }
 
 std::tuple<at::Tensor, at::Tensor> DecodePlan::run(at::Tensor hidden,

@@ -48,6 +48,19 @@ _module: Any = None
 _tried = False
 
 
+def _cpu_identity() -> bytes:
+    """This CPU's model and instruction-set flags (Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            lines = [ln for ln in f.read().split(b"\n")
+                     if ln.startswith((b"model name", b"flags"))]
+        return b"\n".join(lines[:2])
+    except OSError:
+        import platform
+
+        return platform.processor().encode()
+
+
 def get_cpu_ops() -> Any | None:
     """The compiled module, or None when unavailable or disabled (`KEEL_CPU_KERNEL=0`)."""
     global _module, _tried
@@ -64,7 +77,9 @@ def get_cpu_ops() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        digest = hashlib.sha256(" ".join(_CFLAGS).encode())
+        # `-march=native` builds for this CPU: its instruction sets are part of the name, so
+        # a cache shared with another machine never hands this one a build it cannot run.
+        digest = hashlib.sha256(" ".join(_CFLAGS).encode() + _cpu_identity())
         for f in sorted(_CSRC.iterdir()):
             digest.update(f.name.encode() + f.read_bytes())
         logger.info("Loading keel's CPU kernels (compiled once per machine)")

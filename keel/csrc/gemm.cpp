@@ -60,6 +60,7 @@ __attribute__((always_inline)) inline void fma_step(const float* x, int64_t ldx,
                                                     int64_t k, __m256* c0, __m256* c1) {
   __m256 b0, b1;
   load_cols(w + k * kCols, b0, b1);
+#pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
     c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
@@ -69,13 +70,17 @@ __attribute__((always_inline)) inline void fma_step(const float* x, int64_t ldx,
 
 // One register tile: R rows of x against one panel, over all of K, stored to `out` (row
 // stride `ldo`, 16 columns). `pf` .. `pf_end` are lines of the next panel to prefetch, one
-// every 8 steps of k. (Nothing else happens in here: with a bias or a partial panel's store
-// in this function GCC kept the accumulators on the stack across the loop, ~20% slower on
-// a Zen 3.)
+// every 8 steps of k. The accumulators must live in registers only: when GCC gave the
+// arrays a home on the stack (a bias or partial-panel store in here, or the zeroing loop
+// turned into a memset), it stored all 12 of them on every trip of the k loop, 25-30% slower
+// on a Zen 3. Hence nothing but the loop in here, every loop over rows unrolled, and the
+// tile inlined into its caller's loop (as a function of its own, GCC spilled one again).
 template <int R, typename W>
-void tile(const float* x, int64_t ldx, const W* w, int64_t k_len, float* out, int64_t ldo,
-          const char* pf, const char* pf_end) {
+__attribute__((always_inline)) inline void tile(const float* x, int64_t ldx, const W* w,
+                                                int64_t k_len, float* out, int64_t ldo,
+                                                const char* pf, const char* pf_end) {
   __m256 c0[R], c1[R];
+#pragma GCC unroll 6
   for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= k_len; k += 8) {
@@ -87,6 +92,7 @@ void tile(const float* x, int64_t ldx, const W* w, int64_t k_len, float* out, in
     for (int64_t kk = k; kk < k + 8; ++kk) fma_step<R>(x, ldx, w, kk, c0, c1);
   }
   for (; k < k_len; ++k) fma_step<R>(x, ldx, w, k, c0, c1);
+#pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(out + r * ldo, c0[r]);
     _mm256_storeu_ps(out + r * ldo + 8, c1[r]);
@@ -94,8 +100,10 @@ void tile(const float* x, int64_t ldx, const W* w, int64_t k_len, float* out, in
 }
 
 template <typename W>
-void tile_rows(int rows, const float* x, int64_t ldx, const W* w, int64_t k_len, float* out,
-               int64_t ldo, const char* pf, const char* pf_end) {
+__attribute__((always_inline)) inline void tile_rows(int rows, const float* x, int64_t ldx,
+                                                     const W* w, int64_t k_len, float* out,
+                                                     int64_t ldo, const char* pf,
+                                                     const char* pf_end) {
   switch (rows) {
     case 6: tile<6>(x, ldx, w, k_len, out, ldo, pf, pf_end); break;
     case 5: tile<5>(x, ldx, w, k_len, out, ldo, pf, pf_end); break;

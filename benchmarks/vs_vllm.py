@@ -47,7 +47,8 @@ def time_workloads(llm, sampling_params, prompts: dict, max_tokens: int) -> dict
     """keel's and vLLM's `LLM` share this API: a warm-up, then one timed generate per
     workload (greedy, EOS ignored). Returns {workload: tok/s, seconds, the tokens}."""
     warm = sampling_params(temperature=0, max_tokens=WARMUP, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts["short"][:4]], warm, use_tqdm=False)
+    first = next(iter(prompts.values()))  # whichever workloads this run has
+    llm.generate([{"prompt_token_ids": p} for p in first[:4]], warm, use_tqdm=False)
     out = {}
     for name, ps in prompts.items():
         sp = sampling_params(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -71,7 +72,7 @@ def child_keel(args, prompts: dict) -> dict:
     dtype = str(llm.engine_core.config.model_config.torch_dtype).replace("torch.", "")
     out = {"startup_s": startup, "dtype": dtype,
            **time_workloads(llm, SamplingParams, prompts, args.max_tokens)}
-    if args.floor:
+    if args.floor and "short" in prompts:  # the step is measured at the short prompts' contexts
         out["decode"] = decode_step_and_floor(llm, prompts["short"])
     return out
 
@@ -184,7 +185,7 @@ def child_hf(args, prompts: dict) -> dict:
     model.generation_config.eos_token_id = None  # like ignore_eos
     startup = time.perf_counter() - t0
     pad = model.config.pad_token_id or 0
-    hf_generate(model, prompts["short"][:4], 4, WARMUP, pad)
+    hf_generate(model, next(iter(prompts.values()))[:4], 4, WARMUP, pad)
     out = {"startup_s": startup, "dtype": args.dtype}
     for name, ps in prompts.items():
         # Left-padded, length-sorted batches; 32 is its fastest size for short prompts here,

@@ -12,6 +12,7 @@
 //   rotary_neox_(positions [T], q [T, Hq * D], k [T, Hk * D], cos [P, rot], sin [P, rot], D)
 //       rotate-half RoPE on the first `rot` dims of every head, in place (rows may be strided)
 //   silu_and_mul(x [T, 2I]) -> [T, I]  =  silu(x[:, :I]) * x[:, I:]
+//   write_kv_cache(key, value, key_cache, value_cache, slot_mapping): a pass's K/V to its slots
 // Its own translation unit, so this applies to every function in it (the helpers of vec.h
 // included).
 #pragma GCC optimize("fp-contract=off")
@@ -297,4 +298,50 @@ at::Tensor argmax_rows(at::Tensor x) {
     }
   });
   return out;
+}
+
+// Writes this pass's keys and values into their cache slots: row t of key/value [T, Hkv, D]
+// (rows may be strided) goes to slot slot_mapping[t] (block * block_size + offset) of
+// key_cache/value_cache [num_blocks, Hkv, block_size, D], one head at a time. One copy per row
+// and head, where index_copy_ paid ~35 us a call.
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
+                    at::Tensor value_cache, at::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4,
+              "write_kv_cache: bad ranks");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+              value.scalar_type() == key_cache.scalar_type(), "write_kv_cache: dtype mismatch");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes(),
+              "write_kv_cache: KV caches must be contiguous and alike");
+  const int64_t T = key.size(0), Hkv = key_cache.size(1), bs = key_cache.size(2);
+  const int64_t D = key_cache.size(3);
+  TORCH_CHECK(key.size(1) == Hkv && key.size(2) == D && value.sizes() == key.sizes(),
+              "write_kv_cache: rows do not match the cache");
+  if (key.stride(2) != 1 || key.stride(1) != D) key = key.contiguous();
+  if (value.stride(2) != 1 || value.stride(1) != D) value = value.contiguous();
+  slot_mapping = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(slot_mapping.numel() >= T, "write_kv_cache: one slot per row");
+  const int64_t num_slots = key_cache.size(0) * bs;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv_cache: slot ", slots[t],
+                " outside the cache of ", num_slots, " slots");
+  const int64_t es = key.element_size(), bytes = D * es;
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t ks = key.stride(0) * es, vs = value.stride(0) * es;
+  // On the threads: a decode step's first write to a cache page faults it in (~3-5 us on
+  // these VMs, ~700 pages a step at 64 requests), and the threads fault in parallel.
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slots[t] / bs, off = slots[t] % bs;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t dst = ((block * Hkv + h) * bs + off) * bytes;
+        std::memcpy(kc + dst, k + t * ks + h * bytes, bytes);
+        std::memcpy(vc + dst, v + t * vs + h * bytes, bytes);
+      }
+    }
+  });
 }

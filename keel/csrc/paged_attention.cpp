@@ -37,10 +37,10 @@ using keel::load8;
 using keel::store8;
 using keel::v16;
 using keel::v8;
-constexpr int64_t kMaxGroup = 16;  // query heads per KV head kept in registers
 constexpr int64_t kItemCost = 16;  // an item's fixed cost beside its keys, in keys
 constexpr int64_t kChunkKeys = 32;  // keys per online-softmax step of decode_row
 constexpr int64_t kChunkBlocks = 4;  // blocks of a chunk at most (block_size >= 8)
+static_assert(kChunkKeys / 8 <= kChunkBlocks, "a chunk of 8-key blocks must fit kChunkBlocks");
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
@@ -256,7 +256,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
 
   // Common shapes take decode_row; an item is one row with all its KV heads where there are
   // rows enough to share out (its K and V then stream as whole blocks), else (row, KV head).
-  const bool fast = G <= kMaxGroup && D % 32 == 0 && bs % 8 == 0;
+  const bool fast = D % 32 == 0 && bs % 8 == 0;  // any group size G
   const int64_t max_threads = std::min<int64_t>(at::get_num_threads(), R * Hkv);
   const int64_t hpi = fast && R >= 4 * max_threads ? Hkv : 1;  // KV heads per item
   const int64_t per_row = Hkv / hpi;

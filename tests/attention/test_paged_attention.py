@@ -127,13 +127,14 @@ def test_long_chunks_go_one_by_one(monkeypatch, prefill_kernel, window, dtype, t
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("window", [None, 7, 45])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 40), (9, 3, 64), (4, 1, 128)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim",
+                         [(8, 2, 40), (9, 3, 64), (4, 1, 128), (16, 1, 32)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_decode_rows(monkeypatch, use_kernel, window, dtype, tol, heads, kv_heads, head_dim,
                      block_size):
-    """Head sizes 64 and 128 with blocks of 16 take the kernel's chunked online-softmax path
-    (`decode_row`: contexts across several chunks, windows starting mid-block), head size 40
-    or blocks of 4 its plain loop."""
+    """Head sizes 32, 64 and 128 with blocks of 16 take the kernel's chunked online-softmax
+    path (`decode_row`: contexts across several chunks, windows starting mid-block, groups of
+    1-16 query heads), head size 40 or blocks of 4 its plain loop."""
     use_kernel_or_torch(monkeypatch, use_kernel)
     seq_lens = [1, 13, 40, 64, 5, 150, 97]
     out, ref = run_case(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim, dtype, window,

@@ -7,8 +7,8 @@
 // Why not oneDNN: at a decode step's shapes (64 rows against the default model's weights)
 // oneDNN's packed GEMM reaches its rate only with the weight hot in cache; a real step reads
 // every layer's weights from memory once, and there the same GEMMs ran ~1.2-1.35x slower
-// (BENCHMARKS.md, fifth round). Here each thread streams its panels once per block of rows,
-// a panel is reused from L1/L2 by every 6-row tile of the block, and while a panel is being
+// (BENCHMARKS.md, fifth round). Here each panel is streamed once per block of rows and
+// reused from L1/L2 by every 6-row tile of the block, and while a panel is being
 // used the next one is prefetched into L2, a few lines per tile, so the stream from memory
 // overlaps the arithmetic instead of stalling the first tile of every panel.
 //
@@ -21,6 +21,7 @@
 // AVX2 + FMA intrinsics (8 lanes); `gemm_available()` is false on other CPUs, where keel keeps
 // oneDNN. Where AVX-512 is present, keel/model_executor/layers/linear.py times both at load.
 #include "ops.h"
+#include "claims.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -114,9 +115,12 @@ __attribute__((always_inline)) inline void tile_rows(int rows, const float* x, i
   }
 }
 
-// Rows in blocks whose x stays in L2; in a block, each thread takes a range of panels and
-// runs every 6-row tile of the block over each panel in turn, prefetching the next panel of
-// its range a few lines per tile.
+// The work is every (block of rows, panel) pair, block by block: a block's x stays in L2 and
+// each of its 6-row tiles runs over a panel in turn, which is streamed from memory once per
+// block. The threads claim runs of panels (claims.h) rather than taking fixed halves, so a
+// core slowed by the host does not leave the other waiting. Before the last panel of its run
+// a thread claims its next run, so that it prefetches the next panel it will use, a few lines
+// per tile, at a run's end as inside it.
 template <typename W>
 void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
               const float* bias, float* out) {
@@ -124,43 +128,54 @@ void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
   const int64_t panel_elems = k * kCols;
   const int64_t panel_bytes = panel_elems * static_cast<int64_t>(sizeof(W));
   const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (k * 4) / kRows * kRows);
-  for (int64_t m0 = 0; m0 < m; m0 += block) {
-    // As few tiles as 6 rows allow, as even as can be (64 rows: 9 x 6 + 2 x 5, not
-    // 10 x 6 + 4: a 4-row tile did 1.7x less per row than a 6-row one in a decode step).
-    const int64_t mb = std::min(block, m - m0);
-    const int64_t tiles = (mb + kRows - 1) / kRows;
-    const int64_t base = mb / tiles, extra = mb % tiles;  // the first `extra` get one more
-    const int64_t share = (panel_bytes + tiles - 1) / tiles;  // bytes prefetched per tile
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const W* w = packed + p * panel_elems;
-        const char* next = reinterpret_cast<const char*>(w + panel_elems);
-        const int64_t cols = std::min(kCols, n - p * kCols);
-        for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t r0 = m0 + t * base + std::min(t, extra);
-          const int rows = static_cast<int>(base + (t < extra));
-          const int64_t pf0 = p + 1 < end ? std::min(panel_bytes, t * share) : 0;
-          const int64_t pf1 = p + 1 < end ? std::min(panel_bytes, (t + 1) * share) : 0;
-          if (cols == kCols) {
-            tile_rows<W>(rows, x + r0 * k, k, w, k, out + r0 * n + p * kCols, n, next + pf0,
-                         next + pf1);
-          } else {  // the last panel of an N that is not a multiple of 16
-            float tmp[kRows * kCols];
-            tile_rows<W>(rows, x + r0 * k, k, w, k, tmp, kCols, next + pf0, next + pf1);
-            for (int r = 0; r < rows; ++r)
-              std::memcpy(out + (r0 + r) * n + p * kCols, tmp + r * kCols, cols * sizeof(float));
-          }
-        }
-        if (bias != nullptr) {  // the sums, then + bias, as in registers
-          const float* b = bias + p * kCols;
-          for (int64_t r = m0; r < m0 + mb; ++r) {
-            float* o = out + r * n + p * kCols;
-            for (int64_t j = 0; j < cols; ++j) o[j] += b[j];
-          }
+  // Item i: block i / panels of rows against panel i % panels.
+  const int64_t items = (m + block - 1) / block * panels;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), panels);
+  keel::Claims claims(items, threads, panels);
+  keel::on_threads(threads, [&] {
+    int64_t end = 0, i = claims.claim(end);
+    while (i < items) {
+      const int64_t m0 = i / panels * block, p = i % panels;
+      const int64_t mb = std::min(block, m - m0);
+      // As few tiles as 6 rows allow, as even as can be (64 rows: 9 x 6 + 2 x 5, not
+      // 10 x 6 + 4: a 4-row tile did 1.7x less per row than a 6-row one in a decode step).
+      const int64_t tiles = (mb + kRows - 1) / kRows;
+      const int64_t base = mb / tiles, extra = mb % tiles;  // the first `extra` get one more
+      const int64_t share = (panel_bytes + tiles - 1) / tiles;  // bytes prefetched per tile
+      int64_t next = i + 1, next_end = end;
+      if (next == end) next = claims.claim(next_end);
+      const W* w = packed + p * panel_elems;
+      // The next item's panel, unless there is none (its bytes then prefetch nothing).
+      const char* pf = next < items
+                           ? reinterpret_cast<const char*>(packed + next % panels * panel_elems)
+                           : nullptr;
+      const int64_t pf_bytes = pf != nullptr ? panel_bytes : 0;
+      const int64_t cols = std::min(kCols, n - p * kCols);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r0 = m0 + t * base + std::min(t, extra);
+        const int rows = static_cast<int>(base + (t < extra));
+        const int64_t pf0 = std::min(pf_bytes, t * share);
+        const int64_t pf1 = std::min(pf_bytes, (t + 1) * share);
+        if (cols == kCols) {
+          tile_rows<W>(rows, x + r0 * k, k, w, k, out + r0 * n + p * kCols, n, pf + pf0,
+                       pf + pf1);
+        } else {  // the last panel of an N that is not a multiple of 16
+          float tmp[kRows * kCols];
+          tile_rows<W>(rows, x + r0 * k, k, w, k, tmp, kCols, pf + pf0, pf + pf1);
+          for (int r = 0; r < rows; ++r)
+            std::memcpy(out + (r0 + r) * n + p * kCols, tmp + r * kCols, cols * sizeof(float));
         }
       }
-    });
-  }
+      if (bias != nullptr) {  // the sums, then + bias, as in registers
+        const float* b = bias + p * kCols;
+        for (int64_t r = m0; r < m0 + mb; ++r) {
+          float* o = out + r * n + p * kCols;
+          for (int64_t j = 0; j < cols; ++j) o[j] += b[j];
+        }
+      }
+      i = next, end = next_end;
+    }
+  });
 }
 
 }  // namespace

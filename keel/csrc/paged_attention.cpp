@@ -9,7 +9,7 @@
 // model this reads K and V from memory ~1.1-1.2x faster than a pass over K then one over V per
 // (row, KV head) did, which stalled on each 4 KiB run (BENCHMARKS.md, eighth round). Other
 // shapes take a plain loop. Work is split over rows (or (row, KV head) pairs when rows are
-// few) with at::parallel_for (torch's own threads); the G = num_heads / num_kv_heads query
+// few), claimed by torch's threads in runs (claims.h); the G = num_heads / num_kv_heads query
 // heads of a group share every key and value they read.
 //
 //   query        [T, H, D]                 one query token per row (rows may be strided)
@@ -19,6 +19,7 @@
 //   seq_lens     [T] int64                 keys visible to row t: [start, seq_lens[t])
 //   rows         [T] int32 or None         row t's request (its block-table row); None: t
 //   returns      [T, H, D]
+#include "claims.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -37,7 +38,6 @@ using keel::load8;
 using keel::store8;
 using keel::v16;
 using keel::v8;
-constexpr int64_t kItemCost = 16;  // an item's fixed cost beside its keys, in keys
 constexpr int64_t kChunkKeys = 32;  // keys per online-softmax step of decode_row
 constexpr int64_t kChunkBlocks = 4;  // blocks of a chunk at most (block_size >= 8)
 static_assert(kChunkKeys / 8 <= kChunkBlocks, "a chunk of 8-key blocks must fit kChunkBlocks");
@@ -261,9 +261,8 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t hpi = fast && R >= 4 * max_threads ? Hkv : 1;  // KV heads per item
   const int64_t per_row = Hkv / hpi;
 
-  auto run_items = [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
-    Scratch w;
+  auto run_items = [&](int64_t begin, int64_t end, Scratch& w, std::vector<float>& qf,
+                       std::vector<float>& acc, std::vector<float>& scores) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / per_row, hk = item % per_row * hpi;  // query row, first kv head
       const int64_t len = sl[r];
@@ -321,26 +320,17 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
           o_ptr[(r * H + hk * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
     }
   };
-  // Each thread takes a contiguous range of items holding an equal share of the keys to read
-  // (rows' contexts differ: an even split by count left one thread waiting).
+  // The threads claim runs of items (claims.h): rows' contexts differ, and so do the cores'
+  // speeds on a shared host.
   const int64_t items = R * per_row;
   const int64_t threads = std::min<int64_t>(max_threads, items);
-  if (threads <= 1) {
-    run_items(0, items);
-    return;
-  }
-  std::vector<int64_t> cost(items + 1, 0);  // keys read before item i, plus a fixed cost
-  for (int64_t i = 0; i < items; ++i) {
-    const int64_t len = sl[i / per_row];
-    const int64_t n = sliding_window > 0 ? std::min(len, sliding_window) : len;
-    cost[i + 1] = cost[i] + (std::max<int64_t>(n, 0) + kItemCost) * hpi;
-  }
-  auto bound = [&](int64_t t) {  // the first item of thread t's share
-    return static_cast<int64_t>(
-        std::lower_bound(cost.begin(), cost.end(), cost[items] * t / threads) - cost.begin());
-  };
-  at::parallel_for(0, threads, 1, [&](int64_t tb, int64_t te) {
-    for (int64_t t = tb; t < te; ++t) run_items(bound(t), bound(t + 1));
+  keel::Claims claims(items, threads, 0);
+  keel::on_threads(threads, [&] {
+    std::vector<float> qf(G * D), acc(G * D), scores;
+    Scratch w;
+    int64_t end = 0;
+    for (int64_t i = claims.claim(end); i < items; i = claims.claim(end))
+      run_items(i, end, w, qf, acc, scores);
   });
 }
 

@@ -146,7 +146,7 @@ def test_decode_rows(monkeypatch, use_kernel, window, dtype, tol, heads, kv_head
 @pytest.mark.parametrize("window", [None, 33])
 def test_decode_many_rows(dtype, tol, window):
     """Rows enough for whole-row items (every KV head of a row in one pass), with contexts of
-    different lengths so the threads' shares split mid-batch."""
+    different lengths, claimed by the threads in runs of rows."""
     assert get_cpu_ops() is not None
     seq_lens = [3 + 37 * i % 211 for i in range(24)]
     out, ref = run_case(seq_lens, [1] * len(seq_lens), 9, 3, 64, dtype, window, 16)

@@ -1,7 +1,8 @@
 """keel's float32 GEMM (keel/csrc/gemm.cpp) against a float64 reference: row counts that
 fill 6-row tiles and leave remainders, blocks of rows, an N that is not a multiple of the
 16-column panel, a K that is not a multiple of 8, bias, bfloat16 weights (widened exactly),
-strided inputs, and the errors for arguments it cannot take."""
+strided inputs, the same bits on any number of threads, and the errors for arguments it
+cannot take."""
 
 from __future__ import annotations
 
@@ -48,6 +49,27 @@ def test_gemm_takes_strided_rows(ops):
     w = torch.randn(40, 96)
     got = ops.gemm(x, ops.gemm_pack(w), 40)
     assert torch.allclose(got, x @ w.T, atol=1e-4)
+
+
+def test_gemm_gives_the_same_bits_on_any_number_of_threads(ops):
+    # The threads claim runs of (block, panel) items as they go (csrc/claims.h): which thread
+    # computes an output must not change its value. 700 rows are 5 blocks at K = 576, 1,000
+    # columns 63 panels (the last one partial).
+    g = torch.Generator().manual_seed(7)
+    x, w, b = (torch.randn(700, 576, generator=g), torch.randn(1000, 576, generator=g),
+               torch.randn(1000, generator=g))
+    packed = ops.gemm_pack(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.gemm(x, packed, 1000, b)
+        torch.set_num_threads(max(2, threads))
+        many = [ops.gemm(x, packed, 1000, b) for _ in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(one, m) for m in many)
+    want = x.double() @ w.double().T + b.double()
+    assert (one.double() - want).abs().max().item() < 2e-6 * 576
 
 
 def test_gemm_with_no_rows(ops):

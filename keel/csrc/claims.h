@@ -1,0 +1,57 @@
+// Work shared out by claims, for kernels whose threads would otherwise take fixed shares.
+//
+// On the shared hosts keel is measured on, one core often runs 10-15% slower than the other
+// for a while (another tenant, the hypervisor). With fixed shares the faster thread then
+// waits at the end of every parallel region: in a 64-request decode step each thread sat idle
+// in OpenMP's barrier ~8% of the step. Here each thread claims its next run of items from a
+// shared counter as it finishes the last; a run is half a thread's fair share of what is left
+// (at least one item), so the runs shrink towards the end and the threads finish together
+// (idle ~3-4% of the step; BENCHMARKS.md, ninth round). A run never crosses a multiple of
+// `group` (a GEMM's runs stay within one block of rows).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace keel {
+
+class Claims {
+ public:
+  Claims(int64_t items, int64_t threads, int64_t group)
+      : items_(items), threads_(std::max<int64_t>(1, threads)),
+        group_(group > 0 ? group : std::max<int64_t>(1, items)) {}
+
+  // The calling thread's next run [first, end); first == items() when nothing is left.
+  int64_t claim(int64_t& end) {
+    int64_t first = next_.load(std::memory_order_relaxed), last;
+    do {
+      if (first >= items_) return end = items_;
+      const int64_t group_end = std::min(items_, (first / group_ + 1) * group_);
+      const int64_t share = (group_end - first) / (2 * threads_);
+      last = std::min(group_end, first + std::max<int64_t>(1, share));
+    } while (!next_.compare_exchange_weak(first, last, std::memory_order_relaxed));
+    end = last;
+    return first;
+  }
+  int64_t items() const { return items_; }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  const int64_t items_, threads_, group_;
+};
+
+// f() once on each of `threads` of torch's threads (inline when threads <= 1 or when already
+// inside a parallel region); each call claims runs until none is left.
+template <typename F>
+void on_threads(int64_t threads, const F& f) {
+  if (threads <= 1) {
+    f();
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { f(); });
+}
+
+}  // namespace keel

@@ -24,7 +24,7 @@ class Claims {
       : items_(items), threads_(std::max<int64_t>(1, threads)),
         group_(group > 0 ? group : std::max<int64_t>(1, items)) {}
 
-  // The calling thread's next run [first, end); first == items() when nothing is left.
+  // The calling thread's next run [first, end); first == items when nothing is left.
   int64_t claim(int64_t& end) {
     int64_t first = next_.load(std::memory_order_relaxed), last;
     do {
@@ -36,7 +36,6 @@ class Claims {
     end = last;
     return first;
   }
-  int64_t items() const { return items_; }
 
  private:
   std::atomic<int64_t> next_{0};

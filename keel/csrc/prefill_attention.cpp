@@ -42,6 +42,12 @@ constexpr int kTile = 6;
 
 inline void pin(v8& v) { asm volatile("" : "+x"(v)); }
 
+// Lanes j .. j + 7 of a block: is each in [lo, hi)? (all-ones or all-zeros per lane)
+inline auto visible(int64_t j, int64_t lo, int64_t hi) {
+  const v8 lane = v8{0, 1, 2, 3, 4, 5, 6, 7} + static_cast<float>(j);
+  return (lane >= static_cast<float>(lo)) & (lane < static_cast<float>(hi));
+}
+
 // s[x][j] = sum_d q[x][d] * kt[d][j] for kTile query vectors and 16 keys.
 inline void scores_tile(const float* q, int64_t D, const float* kt, int64_t kt_stride, float* s,
                         int64_t s_stride) {
@@ -125,39 +131,36 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const float* kt, i
     for (int64_t x = 0; x < nv4; x += kTile)
       for (int64_t j = 0; j < n16; j += 16)
         scores_tile(w.q.data() + x * D, D, kt + kb + j, kt_stride, s + x * kKeys + j, kKeys);
-    // Masks: keys past a row's position, or (sliding window) too far behind it.
-    const bool causal_edge = kb + n16 - 1 > first_pos;
-    const bool window_edge = window > 0 && kb <= last_pos - window;
-    if (causal_edge || window_edge) {
-      for (int64_t r = 0; r < nr; ++r) {
-        const int64_t pos = first_pos + r;
-        for (int64_t j = 0; j < n16; ++j) {
-          const int64_t kp = kb + j;
-          if (kp > pos || (window > 0 && kp <= pos - window))
-            for (int64_t g = 0; g < G; ++g) s[(r * G + g) * kKeys + j] = ninf;
-        }
-      }
-    }  // (without a causal edge the block ends at or before k_end, so n16 == n)
-    // Online softmax: rescale what was accumulated when a row's maximum grows.
+    // Online softmax over each vector's visible keys of the block, [lo, hi): keys past its
+    // row's position (the causal edge) or too far behind it (a sliding window) are given
+    // weight 0, lane by lane in the vector loops, with no pass of their own. A block without
+    // either edge is visible whole to every row (n16 == n there).
     for (int64_t x = 0; x < nv; ++x) {
+      const int64_t pos = first_pos + x / G;
+      const int64_t hi = std::min(n16, pos - kb + 1);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - kb) : 0;
       float* sx = s + x * kKeys;
-      v8 mv = splat8(w.m[x]);
+      if (hi <= lo) {  // nothing of the block is visible to this row
+        for (int64_t j = 0; j < n16; j += 8) store8(sx + j, v8{});
+        continue;
+      }
+      const bool whole = lo == 0 && hi == n16;
+      v8 mv = splat8(ninf);
       for (int64_t j = 0; j < n16; j += 8) {
-        const v8 e = load8(sx + j);
+        v8 e = load8(sx + j);
+        if (!whole) e = visible(j, lo, hi) ? e : splat8(ninf);
         mv = e > mv ? e : mv;
       }
       float mx = mv[0];
       for (int i = 1; i < 8; ++i) mx = std::max(mx, mv[i]);
-      if (mx == ninf) {  // nothing visible to this row yet
-        for (int64_t j = 0; j < n16; ++j) sx[j] = 0.f;
-        continue;
-      }
-      const float alpha = mx == w.m[x] ? 1.f : std::exp(w.m[x] - mx);  // 0 on the first block
+      mx = std::max(mx, w.m[x]);
+      // Rescale what was accumulated when the row's maximum grows (0 on its first block).
+      const float alpha = mx == w.m[x] ? 1.f : std::exp(w.m[x] - mx);
       w.m[x] = mx;
       v8 sum = {};
       for (int64_t j = 0; j < n16; j += 8) {
-        const v8 e = load8(sx + j);
-        const v8 p = e == ninf ? v8{} : keel::expv(e - mx);
+        v8 p = keel::expv(load8(sx + j) - mx);
+        if (!whole) p = visible(j, lo, hi) ? p : v8{};
         store8(sx + j, p);
         sum += p;
       }

@@ -19,6 +19,10 @@ from typing import Any
 @dataclass(slots=True)
 class ForwardContext:
     attn_metadata: Any  # PagedAttentionMetadata, or None for a run without KV cache
+    # The only rows of the model's output anyone reads (the runner's logits_indices), or None
+    # for all. A model that honours it (`supports_output_rows`) returns just these rows, in
+    # this order, and may skip the work of its last layer for every other token.
+    output_rows: Any = None
 
 
 _local = threading.local()
@@ -34,9 +38,10 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
+def set_forward_context(attn_metadata: Any, output_rows: Any = None
+                        ) -> Iterator[ForwardContext]:
     prev = getattr(_local, "context", None)
-    _local.context = ForwardContext(attn_metadata)
+    _local.context = ForwardContext(attn_metadata, output_rows)
     try:
         yield _local.context
     finally:

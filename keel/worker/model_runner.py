@@ -366,7 +366,16 @@ class ModelRunner(SampleTokensMixin):
             input_ids = self.input_ids.gpu[:num_scheduled_tokens]
             positions = self.positions.gpu[:num_scheduled_tokens]
 
-        with set_forward_context(attn_metadata):
+        # Only the sampled rows are read after the pass, unless a request wants its prompt's
+        # logprobs (they read every row) or a pooler reads the hidden states: the model then
+        # skips its last layer's projection and MLP for every other token (exact: each of
+        # those is computed row by row).
+        output_rows = None
+        if (self.pooler is None and not self.input_batch.num_prompt_logprobs
+                and getattr(self.model, "supports_output_rows", False)
+                and logits_indices.shape[0] < num_scheduled_tokens):
+            output_rows = logits_indices
+        with set_forward_context(attn_metadata, output_rows):
             hidden_states = self.model(input_ids, positions, intermediate_tensors)
         if isinstance(hidden_states, IntermediateTensors):
             return hidden_states  # not the last stage: nothing to sample, nothing parked
@@ -376,7 +385,8 @@ class ModelRunner(SampleTokensMixin):
             return self._pool(hidden_states, num_reqs)
 
         # Only the rows that will be sampled are projected to the vocabulary.
-        sample_hidden_states = hidden_states[logits_indices]
+        sample_hidden_states = (hidden_states if output_rows is not None
+                                else hidden_states[logits_indices])
         logits = self.model.compute_logits(sample_hidden_states)
         if trace is not None:
             trace.after_forward()

@@ -187,7 +187,8 @@ def test_only_logits_rows_are_projected_and_partial_rows_are_discarded(
     monkeypatch.setattr(model, "compute_logits", recording)
     assert runner.execute_model(seed_example()) is None
     state = runner.execute_model_state
-    assert state.hidden_states.shape[0] == 10
+    # 10 tokens in the pass; the model returned only the 3 rows at logits_indices.
+    assert state.hidden_states.shape[0] == 3
     assert rows_seen == [3] == [runner.input_batch.num_reqs]
     assert state.logits.shape == (3, VOCAB)
 
@@ -202,6 +203,47 @@ def test_only_logits_rows_are_projected_and_partial_rows_are_discarded(
     assert runner.requests["R3"].output_token_ids == []
     assert runner.input_batch.num_tokens[:3].tolist() == [103, 600, 60]
     assert token_row(runner, "R1") == P1 + [tok]
+
+
+def test_last_layer_computes_only_the_sampled_rows_and_changes_no_logit(
+    make_runner, model, monkeypatch
+):
+    """The last layer's output projection and MLP run on the logits rows only (every token's
+    K and V are still written); the logits are the same as a pass over every row."""
+    mlp_rows = []
+    hook = model.model.layers[-1].mlp.register_forward_hook(
+        lambda _m, args, _out: mlp_rows.append(args[0].shape[0]))
+    try:
+        runner = make_runner()
+        assert runner.execute_model(seed_example()) is None
+        pruned = runner.execute_model_state.logits.clone()
+        pruned_tokens = runner.sample_tokens(None).sampled_token_ids
+        caches = [c.clone() for c in runner.kv_caches]
+        assert mlp_rows == [3]
+
+        monkeypatch.setattr(model, "supports_output_rows", False)
+        full_runner = make_runner()
+        assert full_runner.execute_model(seed_example()) is None
+        full = full_runner.execute_model_state.logits
+        assert full_runner.execute_model_state.hidden_states.shape[0] == 10
+        assert full_runner.sample_tokens(None).sampled_token_ids == pruned_tokens
+        assert mlp_rows == [3, 10]
+    finally:
+        hook.remove()
+    torch.testing.assert_close(pruned, full, rtol=1e-5, atol=1e-5)
+    for a, b in zip(caches, full_runner.kv_caches):  # the last layer's K/V for all 10 tokens
+        assert torch.equal(a, b)
+
+
+def test_prompt_logprobs_keep_every_row(make_runner, model):
+    """A request that wants its prompt's logprobs reads every row's hidden state."""
+    runner = make_runner()
+    p = prompt(12, 7)
+    sp = SamplingParams(temperature=0.0, prompt_logprobs=1)
+    out = step(runner, sched([new_req("a", p, [0, 1, 2, 3], sp=sp)], nst={"a": 12}))
+    assert runner.execute_model_state is None
+    lp = out.prompt_logprobs_dict["a"]
+    assert lp is not None and len(lp.logprob_token_ids) == 11
 
 
 def test_discarded_rows_then_the_prefill_completes(make_runner):

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from keel.attention.forward_context import get_forward_context
 from keel.attention.layer import Attention
 from keel.cpu_ops import cpu_ops_for
 from keel.distributed import (
@@ -70,7 +71,10 @@ class LlamaAttention(nn.Module):
             sliding_window=_sliding_window(config, layer_idx), prefix=f"layers.{layer_idx}",
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """rows: only these tokens' outputs are wanted (every token's K and V are still
+        written)."""
         t = x.shape[0]
         # Views of one [T, q + 2 kv] output; RoPE rotates q and k in place where it can.
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -78,7 +82,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        out = self.attn(q, k, v)
+        return self.o_proj(out if rows is None else out.index_select(0, rows))
 
 
 class LlamaMLP(nn.Module):
@@ -111,13 +116,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
-    def forward(self, positions, hidden, residual):
+    def forward(self, positions, hidden, residual, rows=None):
+        """rows: only these tokens' outputs are wanted; the result then has just those rows
+        (the layer still writes every token's K and V)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(positions, hidden, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -158,12 +167,19 @@ class LlamaModel(nn.Module):
         else:  # the previous stage's output
             hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors[
                 "residual"]
+        # On the last stage, the rows anyone reads (the sampled ones; None: all): the last
+        # layer computes its attention output projection and MLP for those tokens only.
+        rows = get_forward_context().output_rows if self.is_last_rank else None
         fused = self.fused_decode(self, positions, hidden, residual)
         if fused is not None:
             hidden, residual = fused
+            if rows is not None:
+                hidden, residual = hidden.index_select(0, rows), residual.index_select(0, rows)
         else:
-            for layer in self.layers[self.start_layer : self.end_layer]:
-                hidden, residual = layer(positions, hidden, residual)
+            layers = self.layers[self.start_layer : self.end_layer]
+            for i, layer in enumerate(layers):
+                hidden, residual = layer(positions, hidden, residual,
+                                         rows if i == len(layers) - 1 else None)
         if not self.is_last_rank:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self.norm(hidden, residual)
@@ -173,6 +189,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    supports_output_rows = True  # forward honours the forward context's output_rows
     # (merged param, HF name, shard id)
     stacked_params_mapping: ClassVar[list[tuple[str, str, str | int]]] = [
         ("qkv_proj", "q_proj", "q"),

@@ -76,6 +76,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm", &gemm, "x @ W^T (+ bias) in float32 over gemm_pack's panels",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"),
         pybind11::arg("bias") = pybind11::none());
+  m.def("gemm_silu", &gemm_silu,
+        "silu(gate) * up of gemm over a merged [gate; up] weight, in the GEMM's epilogue",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"),
+        pybind11::arg("bias") = pybind11::none());
   m.def("gemm_available", &gemm_available, "gemm built (AVX2 + FMA)");
   pybind11::class_<PlanLinear>(m, "PlanLinear", "one linear layer of a DecodePlan")
       .def(pybind11::init(&make_linear), pybind11::arg("q"), pybind11::arg("d"),

@@ -81,6 +81,15 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
   return upcast ? out.to(x.scalar_type()) : out;
 }
 
+at::Tensor PlanLinear::silu_mul(const at::Tensor& x) const {
+  // keel's panels in float32, as the Python layer's gemm_silu (layers/linear.py) chooses it.
+  if (w8a8.isNone() && !(max_rows > 0 && x.size(0) <= max_rows) && gemm_rows > 0 &&
+      gemm_rows % 32 == 0 && x.scalar_type() == at::kFloat)
+    return gemm_silu(x, packed, gemm_rows,
+                     bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+  return silu_and_mul((*this)(x));
+}
+
 std::tuple<at::Tensor, at::Tensor> DecodePlan::run(at::Tensor hidden,
                                                    std::optional<at::Tensor> residual_in,
                                                    at::Tensor positions,
@@ -129,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor> DecodePlan::run(at::Tensor hidden,
     x = L.o(attn.view({rows, q_size}));
     // post_attention_layernorm (residual += x; x = norm(residual)), then the MLP.
     fused_add_rms_norm_(x, residual, L.post_norm, L.eps);
-    x = L.down(silu_and_mul(L.gate_up(x)));
+    x = L.down(L.gate_up.silu_mul(x));
   }
   return {x, residual};
 }

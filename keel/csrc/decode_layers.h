@@ -33,6 +33,8 @@ struct PlanLinear {
   // run as quantized_linear runs it, at every pass size; None otherwise.
   c10::IValue w8a8;
   at::Tensor operator()(const at::Tensor& x) const;
+  // silu(gate) * up of a merged [gate; up] layer: in keel's GEMM epilogue where it applies.
+  at::Tensor silu_mul(const at::Tensor& x) const;
 };
 
 struct DecodeLayer {

@@ -17,6 +17,7 @@
 // included).
 #pragma GCC optimize("fp-contract=off")
 
+#include "ops.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -191,6 +192,21 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
     }
   });
 }
+
+}  // namespace
+
+void silu_mul_f32(const float* g, const float* u, float* o, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {  // silu_and_mul_kernel<float>'s loop
+    const keel::v8 gv = keel::load8(g + i);
+    const keel::v8 ax = gv < 0 ? -gv : gv;
+    const keel::v8 ex = keel::expv(-ax);
+    const keel::v8 num = gv < 0 ? ex : keel::v8{} + 1.0f;
+    const keel::v8 silu = gv * (num / (1.0f + ex));
+    keel::store8(o + i, silu * keel::load8(u + i));
+  }
+}
+
+namespace {
 
 void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, ": expected [rows, n] with unit stride");

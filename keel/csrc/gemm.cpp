@@ -3,6 +3,7 @@
 //
 //   gemm_pack(W [N, K] float32 or bfloat16) -> [ceil(N / 16), K, 16] of the same dtype
 //   gemm(x [M, K] float32, packed, N, bias) -> [M, N] float32
+//   gemm_silu(x, packed [gate; up] of N = 2I rows, N, bias) -> [M, I] = silu(gate) * up
 //
 // Why not oneDNN: at a decode step's shapes (64 rows against the default model's weights)
 // oneDNN's packed GEMM reaches its rate only with the weight hot in cache; a real step reads
@@ -121,10 +122,17 @@ __attribute__((always_inline)) inline void tile_rows(int rows, const float* x, i
 // core slowed by the host does not leave the other waiting. Before the last panel of its run
 // a thread claims its next run, so that it prefetches the next panel it will use, a few lines
 // per tile, at a run's end as inside it.
-template <typename W>
+//
+// With `Silu`, the weight is a merged [gate; up] of n = 2 * I rows, I a multiple of 16, and
+// out is [M, I] = silu(x Wg^T + bg) * (x Wu^T + bu): an item is a block of rows against gate
+// panel p and up panel p + I / 16, each 6-row tile computing both into the stack and
+// combining them there, so the [M, 2I] product is never written to memory and read back.
+template <typename W, bool Silu = false>
 void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
               const float* bias, float* out) {
-  const int64_t panels = (n + kCols - 1) / kCols;
+  const int64_t half = Silu ? n / 2 / kCols : 0;  // up panel of gate panel p: p + half
+  const int64_t ldo = Silu ? n / 2 : n;
+  const int64_t panels = Silu ? half : (n + kCols - 1) / kCols;
   const int64_t panel_elems = k * kCols;
   const int64_t panel_bytes = panel_elems * static_cast<int64_t>(sizeof(W));
   const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (k * 4) / kRows * kRows);
@@ -156,7 +164,24 @@ void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
         const int rows = static_cast<int>(base + (t < extra));
         const int64_t pf0 = std::min(pf_bytes, t * share);
         const int64_t pf1 = std::min(pf_bytes, (t + 1) * share);
-        if (cols == kCols) {
+        if constexpr (Silu) {  // gate then up, each prefetching its next panel's share
+          float gate[kRows * kCols], up[kRows * kCols];
+          const char* pf_up = pf != nullptr ? pf + half * panel_bytes : nullptr;
+          tile_rows<W>(rows, x + r0 * k, k, w, k, gate, kCols, pf + pf0, pf + pf1);
+          tile_rows<W>(rows, x + r0 * k, k, w + half * panel_elems, k, up, kCols,
+                       pf_up + pf0, pf_up + pf1);
+          for (int r = 0; r < rows; ++r) {
+            float* g = gate + r * kCols;
+            float* u = up + r * kCols;
+            if (bias != nullptr) {  // the sums, then + bias, as gemm adds it
+              for (int64_t j = 0; j < kCols; ++j) {
+                g[j] += bias[p * kCols + j];
+                u[j] += bias[(p + half) * kCols + j];
+              }
+            }
+            silu_mul_f32(g, u, out + (r0 + r) * ldo + p * kCols, kCols);
+          }
+        } else if (cols == kCols) {
           tile_rows<W>(rows, x + r0 * k, k, w, k, out + r0 * n + p * kCols, n, pf + pf0,
                        pf + pf1);
         } else {  // the last panel of an N that is not a multiple of 16
@@ -166,7 +191,7 @@ void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
             std::memcpy(out + (r0 + r) * n + p * kCols, tmp + r * kCols, cols * sizeof(float));
         }
       }
-      if (bias != nullptr) {  // the sums, then + bias, as in registers
+      if (!Silu && bias != nullptr) {  // the sums, then + bias, as in registers
         const float* b = bias + p * kCols;
         for (int64_t r = m0; r < m0 + mb; ++r) {
           float* o = out + r * n + p * kCols;
@@ -239,12 +264,47 @@ at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Te
   return out;
 }
 
+at::Tensor gemm_silu(at::Tensor x, at::Tensor packed, int64_t n,
+                     std::optional<at::Tensor> bias) {
+  TORCH_CHECK(n % (2 * kCols) == 0, "gemm_silu: the merged [gate; up] weight's rows (", n,
+              ") must be twice a multiple of 16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "gemm_silu: x must be a float32 [M, K] CPU tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous() &&
+                  packed.size(0) == n / kCols && packed.size(1) == x.size(1),
+              "gemm_silu: packed must be gemm_pack's [N/16, K, 16] for N = ", n,
+              " and K = x.size(1) = ", x.size(1));
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == n, "gemm_silu: bias must be a contiguous float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1);
+  at::Tensor out = at::empty({m, n / 2}, xc.options());
+  if (m == 0) return out;
+  if (packed.scalar_type() == at::kFloat)
+    run_gemm<float, true>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b,
+                          out.data_ptr<float>());
+  else if (packed.scalar_type() == at::kBFloat16)
+    run_gemm<uint16_t, true>(xc.data_ptr<float>(), m, k,
+                             reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                             n, b, out.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "gemm_silu: packed weights are float32 or bfloat16");
+  return out;
+}
+
 #else  // no AVX2 + FMA: keel keeps oneDNN (layers/linear.py asks gemm_available())
 
 bool gemm_available() { return false; }
 at::Tensor gemm_pack(at::Tensor) { TORCH_CHECK(false, "gemm_pack needs AVX2 and FMA"); }
 at::Tensor gemm(at::Tensor, at::Tensor, int64_t, std::optional<at::Tensor>) {
   TORCH_CHECK(false, "gemm needs AVX2 and FMA");
+}
+at::Tensor gemm_silu(at::Tensor, at::Tensor, int64_t, std::optional<at::Tensor>) {
+  TORCH_CHECK(false, "gemm_silu needs AVX2 and FMA");
 }
 
 #endif

@@ -36,4 +36,11 @@ bool quant_gemm_available();
 // 16 output columns, then x [M, K] float32 @ W^T (+ bias float32 [N]) -> [M, N] float32.
 at::Tensor gemm_pack(at::Tensor weight);
 at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias);
+// The same over a merged [gate; up] weight (N = 2I, I a multiple of 16), with the SiLU and
+// product in the epilogue: [M, I] = silu_and_mul(gemm(x, packed, N, bias)), the same bits.
+at::Tensor gemm_silu(at::Tensor x, at::Tensor packed, int64_t n,
+                     std::optional<at::Tensor> bias);
+// o[i] = silu(g[i]) * u[i] for n floats (a multiple of 8), as silu_and_mul computes it in
+// float32 (fused_ops.cpp): gemm_silu's epilogue.
+void silu_mul_f32(const float* g, const float* u, float* o, int64_t n);
 bool gemm_available();

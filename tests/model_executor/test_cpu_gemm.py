@@ -88,3 +88,37 @@ def test_bad_arguments_say_what_to_change(ops):
         ops.gemm(torch.randn(3, 32), packed, 20, torch.randn(19))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.gemm_pack(torch.randn(4, 4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("m,inter,k", [(1, 16, 8), (13, 48, 577), (64, 1536, 576),
+                                        (700, 96, 576), (50, 32, 2048)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_silu_is_silu_and_mul_of_the_gemm_bit_for_bit(ops, m, inter, k, dtype, bias):
+    # The activation in the GEMM's epilogue (a [gate; up] weight of 2 * inter rows) gives the
+    # bits of the two-step path it replaces, on one thread and on two.
+    g = torch.Generator().manual_seed(m + inter)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(2 * inter, k, generator=g).to(dtype)
+    b = torch.randn(2 * inter, generator=g) if bias else None
+    packed = ops.gemm_pack(w)
+    want = ops.silu_and_mul(ops.gemm(x, packed, 2 * inter, b))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.gemm_silu(x, packed, 2 * inter, b)
+        torch.set_num_threads(max(2, threads))
+        two = ops.gemm_silu(x, packed, 2 * inter, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.shape == (m, inter)
+    assert torch.equal(one, want) and torch.equal(two, want)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    ref = torch.nn.functional.silu(ref[:, :inter]) * ref[:, inter:]
+    assert (one.double() - ref).abs().max().item() < 1e-5 * k * (1 + ref.abs().max().item())
+
+
+def test_gemm_silu_needs_halves_of_whole_panels(ops):
+    packed = ops.gemm_pack(torch.randn(40, 32))
+    with pytest.raises(RuntimeError, match="twice a multiple of 16"):
+        ops.gemm_silu(torch.randn(3, 32), packed, 40)

@@ -294,6 +294,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         dst.copy_(loaded)
 
 
+    def gemm_silu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up for a [gate; up] layer, with the activation in keel's GEMM epilogue
+        (csrc/gemm.cpp gemm_silu: the [T, 2I] product is never written out), or None where
+        that path does not apply: another GEMM, a quantized pass, a bfloat16 pass, or widths
+        that are not multiples of 16."""
+        if (self.packed_by != "keel" or x.dtype != torch.float32 or x.dim() != 2
+                or self.packed_rows % 32 or len(set(self.output_sizes)) != 1
+                or len(self.output_sizes) != 2
+                or (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):
+            return None
+        return _keel_ops.gemm_silu(x, self.packed_weight, self.packed_rows, self.bias)
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """q_proj, k_proj and v_proj in one matmul. Output rows: [q | k | v]."""
 

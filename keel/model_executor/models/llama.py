@@ -99,6 +99,10 @@ class LlamaMLP(nn.Module):
         self.is_silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_silu:  # the activation in keel's GEMM epilogue, where it applies
+            h = self.gate_up_proj.gemm_silu(x)
+            if h is not None:
+                return self.down_proj(h)
         gate_up = self.gate_up_proj(x)
         ops = cpu_ops_for(gate_up) if self.is_silu else None
         if ops is not None and gate_up.dim() == 2:

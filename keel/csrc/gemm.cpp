@@ -236,64 +236,52 @@ at::Tensor gemm_pack(at::Tensor weight) {
   return packed;
 }
 
-at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "gemm: x must be a float32 [M, K] CPU tensor");
+namespace {
+
+// gemm and gemm_silu: the arguments checked (`what` names the caller), then the kernel for the
+// packed weight's dtype.
+template <bool Silu>
+at::Tensor gemm_entry(const char* what, const at::Tensor& x, const at::Tensor& packed,
+                      int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), what,
+              ": x must be a float32 [M, K] CPU tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous() &&
                   packed.size(0) == (n + kCols - 1) / kCols && packed.size(1) == x.size(1),
-              "gemm: packed must be gemm_pack's [ceil(N/16), K, 16] for N = ", n,
+              what, ": packed must be gemm_pack's [ceil(N/16), K, 16] for N = ", n,
               " and K = x.size(1) = ", x.size(1));
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == n, "gemm: bias must be a contiguous float32 [N]");
+                    bias->numel() == n, what, ": bias must be a contiguous float32 [N]");
     b = bias->data_ptr<float>();
   }
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1);
-  at::Tensor out = at::empty({m, n}, xc.options());
+  at::Tensor out = at::empty({m, Silu ? n / 2 : n}, xc.options());
   if (m == 0) return out;
   if (packed.scalar_type() == at::kFloat)
-    run_gemm(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b, out.data_ptr<float>());
+    run_gemm<float, Silu>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b,
+                          out.data_ptr<float>());
   else if (packed.scalar_type() == at::kBFloat16)
-    run_gemm(xc.data_ptr<float>(), m, k,
-             reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), n, b,
-             out.data_ptr<float>());
+    run_gemm<uint16_t, Silu>(xc.data_ptr<float>(), m, k,
+                             reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                             n, b, out.data_ptr<float>());
   else
-    TORCH_CHECK(false, "gemm: packed weights are float32 or bfloat16");
+    TORCH_CHECK(false, what, ": packed weights are float32 or bfloat16");
   return out;
+}
+
+}  // namespace
+
+at::Tensor gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias) {
+  return gemm_entry<false>("gemm", x, packed, n, bias);
 }
 
 at::Tensor gemm_silu(at::Tensor x, at::Tensor packed, int64_t n,
                      std::optional<at::Tensor> bias) {
   TORCH_CHECK(n % (2 * kCols) == 0, "gemm_silu: the merged [gate; up] weight's rows (", n,
               ") must be twice a multiple of 16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "gemm_silu: x must be a float32 [M, K] CPU tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous() &&
-                  packed.size(0) == n / kCols && packed.size(1) == x.size(1),
-              "gemm_silu: packed must be gemm_pack's [N/16, K, 16] for N = ", n,
-              " and K = x.size(1) = ", x.size(1));
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == n, "gemm_silu: bias must be a contiguous float32 [N]");
-    b = bias->data_ptr<float>();
-  }
-  const at::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1);
-  at::Tensor out = at::empty({m, n / 2}, xc.options());
-  if (m == 0) return out;
-  if (packed.scalar_type() == at::kFloat)
-    run_gemm<float, true>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b,
-                          out.data_ptr<float>());
-  else if (packed.scalar_type() == at::kBFloat16)
-    run_gemm<uint16_t, true>(xc.data_ptr<float>(), m, k,
-                             reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
-                             n, b, out.data_ptr<float>());
-  else
-    TORCH_CHECK(false, "gemm_silu: packed weights are float32 or bfloat16");
-  return out;
+  return gemm_entry<true>("gemm_silu", x, packed, n, bias);
 }
 
 #else  // no AVX2 + FMA: keel keeps oneDNN (layers/linear.py asks gemm_available())

@@ -46,9 +46,7 @@ class ExecuteModelState(NamedTuple):
     scheduler_output: SchedulerOutput
     logits: torch.Tensor  # [num_reqs, vocab] float32
     spec_decode_metadata: SpecDecodeMetadata | None  # None: no drafts this pass
-    # [num_tokens, hidden]; only the logits rows when the pass ran with output_rows (then
-    # nothing reads the others: no prompt logprobs, no pooler)
-    hidden_states: torch.Tensor
+    hidden_states: torch.Tensor  # [num_tokens, hidden]; the logits rows only with output_rows
     sample_hidden_states: torch.Tensor  # [num_reqs, hidden]
 
 

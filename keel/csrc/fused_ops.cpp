@@ -152,6 +152,14 @@ void rotary_kernel(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   });
 }
 
+// silu(g) = g * sigmoid(g) in 8 lanes, sigmoid from exp(-|g|) in (0, 1] (no overflow).
+inline keel::v8 silu8(keel::v8 gv) {
+  const keel::v8 ax = gv < 0 ? -gv : gv;
+  const keel::v8 ex = keel::expv(-ax);
+  const keel::v8 num = gv < 0 ? ex : keel::v8{} + 1.0f;
+  return gv * (num / (1.0f + ex));
+}
+
 // silu(g) = g * sigmoid(g), with sigmoid from exp(-|g|) (no overflow); rounded to T, then
 // times up, rounded to T: torch's `act(gate) * up` in T.
 template <typename T>
@@ -167,12 +175,8 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
       int64_t i = 0;
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
         for (; i + 8 <= inter; i += 8) {  // 8 lanes: native on AVX2 (see vec.h)
-          const keel::v8 gv = keel::load8(g + i);
-          const keel::v8 ax = gv < 0 ? -gv : gv;
-          const keel::v8 ex = keel::expv(-ax);  // exp(-|g|) in (0, 1]
-          const keel::v8 num = gv < 0 ? ex : keel::v8{} + 1.0f;
-          const keel::v8 silu = gv * (num / (1.0f + ex));
-          keel::store8(o + i, keel::round_to8<T>(silu) * keel::load8(u + i));
+          keel::store8(o + i, keel::round_to8<T>(silu8(keel::load8(g + i))) *
+                                  keel::load8(u + i));
         }
       }
       for (; i + 16 <= inter; i += 16) {
@@ -197,12 +201,7 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
 
 void silu_mul_f32(const float* g, const float* u, float* o, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) {  // silu_and_mul_kernel<float>'s loop
-    const keel::v8 gv = keel::load8(g + i);
-    const keel::v8 ax = gv < 0 ? -gv : gv;
-    const keel::v8 ex = keel::expv(-ax);
-    const keel::v8 num = gv < 0 ? ex : keel::v8{} + 1.0f;
-    const keel::v8 silu = gv * (num / (1.0f + ex));
-    keel::store8(o + i, silu * keel::load8(u + i));
+    keel::store8(o + i, silu8(keel::load8(g + i)) * keel::load8(u + i));
   }
 }
 

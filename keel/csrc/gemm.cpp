@@ -62,6 +62,11 @@ __attribute__((always_inline)) inline void fma_step(const float* x, int64_t ldx,
                                                     int64_t k, __m256* c0, __m256* c1) {
   __m256 b0, b1;
   load_cols(w + k * kCols, b0, b1);
+  // Into registers, and kept there: left to itself GCC (-march=znver3) folded the float32
+  // loads into the FMAs as memory operands, loading each weight vector again for each row
+  // (up to 14 loads per 12 FMAs, which the load ports cannot issue in 6 cycles); held in
+  // registers the tile ran 1.10-1.15x faster on one Zen 3 core (BENCHMARKS.md, 12th round).
+  asm volatile("" : "+x"(b0), "+x"(b1));
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);

@@ -65,7 +65,8 @@ __attribute__((always_inline)) inline void fma_step(const float* x, int64_t ldx,
   // Into registers, and kept there: left to itself GCC (-march=znver3) folded the float32
   // loads into the FMAs as memory operands, loading each weight vector again for each row
   // (up to 14 loads per 12 FMAs, which the load ports cannot issue in 6 cycles); held in
-  // registers the tile ran 1.10-1.15x faster on one Zen 3 core (BENCHMARKS.md, 12th round).
+  // registers the GEMM ran 1.05-1.08x faster on two Zen 3 cores, 1.10-1.15x on one, with the
+  // same bits (BENCHMARKS.md, twelfth round; benchmarks/gemm_ab.py).
   asm volatile("" : "+x"(b0), "+x"(b1));
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {

@@ -23,6 +23,7 @@
 // oneDNN. Where AVX-512 is present, keel/model_executor/layers/linear.py times both at load.
 #include "ops.h"
 #include "claims.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -67,7 +68,7 @@ __attribute__((always_inline)) inline void fma_step(const float* x, int64_t ldx,
   // (up to 14 loads per 12 FMAs, which the load ports cannot issue in 6 cycles); held in
   // registers the GEMM ran 1.05-1.08x faster on two Zen 3 cores, 1.10-1.15x on one, with the
   // same bits (BENCHMARKS.md, twelfth round; benchmarks/gemm_ab.py).
-  asm volatile("" : "+x"(b0), "+x"(b1));
+  keel::pin(b0, b1);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);

@@ -27,6 +27,7 @@
 namespace {
 
 using keel::load8;
+using keel::pin;
 using keel::splat8;
 using keel::store8;
 using keel::v8;
@@ -36,11 +37,9 @@ constexpr int64_t kKeys = 64;  // keys per block of the online softmax
 constexpr int64_t kMaxGroup = 16;
 
 // Register tiles: kTile query vectors x 16 keys (scores) or x 16 dims (values), 12
-// accumulators; the two 8-lane loads each step are pinned in registers (`pin`) so that GCC
-// does not fold them into every FMA, which made the loops wait on loads instead of FMAs.
+// accumulators; the two 8-lane loads each step are pinned in registers (`keel::pin`) so that
+// GCC does not fold them into every FMA, which made the loops wait on loads instead of FMAs.
 constexpr int kTile = 6;
-
-inline void pin(v8& v) { asm volatile("" : "+x"(v)); }
 
 // Lanes j .. j + 7 of a block: is each in [lo, hi)? (all-ones or all-zeros per lane)
 inline auto visible(int64_t j, int64_t lo, int64_t hi) {

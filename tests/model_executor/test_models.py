@@ -72,6 +72,15 @@ def test_greedy_matches_transformers_generate(arch, loaded):
         assert got == hf_greedy(hf, prompt, 32)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layers_share_one_rope_table(arch, loaded):
+    """One cos/sin table for the model, not one per layer (the tests above show it rotates
+    every layer as transformers does)."""
+    model, _ = loaded(arch)
+    tables = {id(layer.self_attn.rotary_emb.cos_cache) for layer in model.model.layers}
+    assert len(model.model.layers) > 1 and len(tables) == 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_mixed_batch_equals_each_alone(arch, loaded):
     """One flat batch: a fresh prefill, a request mid-prefill (second chunk), and two decodes."""

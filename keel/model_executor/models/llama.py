@@ -45,7 +45,8 @@ def _sliding_window(config: Any, layer_idx: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, dtype) -> None:
+    def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, dtype,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.total_heads = config.num_attention_heads
@@ -65,7 +66,9 @@ class LlamaAttention(nn.Module):
         )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)
+        # One table for the whole model where LlamaModel passes it (see there).
+        self.rotary_emb = rotary_emb or RotaryEmbedding(config, self.head_dim,
+                                                        config.max_position_embeddings)
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
             sliding_window=_sliding_window(config, layer_idx), prefix=f"layers.{layer_idx}",
@@ -112,11 +115,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, dtype):
+    def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, dtype,
+                 rotary_emb: RotaryEmbedding | None = None):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, qk_norm, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, qk_norm, dtype, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
@@ -154,8 +158,13 @@ class LlamaModel(nn.Module):
                                                        dtype)
         else:
             self.embed_tokens = PPMissingLayer()
+        # Every layer rotates with the same cos/sin table ([max_position, head_dim] float32, 4 MiB
+        # at 8k positions and head size 64): built once, not once per layer.
+        head_dim = (getattr(config, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
+        rope = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, dtype)
+            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, dtype, rope)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )

@@ -24,8 +24,11 @@
 
 They are built with torch's JIT extension builder the first time they are needed (~50 s on 2
 cores: the sources include ATen's core headers, not all of torch/extension.h; cached under
-~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), with `-march=native`, and used only on
-the CPU. If they cannot be built (no compiler), keel logs why and keeps the torch code.
+~/.cache/torch_extensions/keel, or $TORCH_EXTENSIONS_DIR/keel), with `-march=native`, and used
+only on the CPU. A build's folder is named by a digest of everything that makes it (sources,
+flags, this CPU, torch and Python), so a later start imports the finished build directly:
+the JIT builder's own check (importing setuptools, running ninja) cost ~0.3 s of every start.
+If they cannot be built (no compiler), keel logs why and keeps the torch code.
 `KEEL_CPU_KERNEL=0` turns them all off.
 """
 
@@ -61,6 +64,43 @@ def _cpu_identity() -> bytes:
         return platform.processor().encode()
 
 
+_DONE = "keel-build-done"  # written after a build has linked and imported
+
+
+def _build_root() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        root = Path(cache) / "torch_extensions"
+    return Path(root) / "keel"
+
+
+def _mark_built(folder: Path, name: str) -> None:
+    tmp = folder / f"{_DONE}.{os.getpid()}"
+    tmp.write_text(name)
+    tmp.replace(folder / _DONE)  # atomic: a reader sees no marker or a whole one
+
+
+def _import_built(name: str, folder: Path) -> Any | None:
+    """The finished build in `folder` imported as a module, or None if there is none (or it
+    does not import: the JIT builder then builds it again)."""
+    import importlib.util
+
+    lib = folder / f"{name}.so"
+    if not (folder / _DONE).is_file() or not lib.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, lib)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure: rebuild
+        logger.warning("keel's CPU kernels in %s did not load (%s); building them again.",
+                       folder, e)
+        (folder / _DONE).unlink(missing_ok=True)
+        return None
+    return module
+
+
 def get_cpu_ops() -> Any | None:
     """The compiled module, or None when unavailable or disabled (`KEEL_CPU_KERNEL=0`)."""
     global _module, _tried
@@ -75,22 +115,33 @@ def get_cpu_ops() -> Any | None:
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     try:
-        from torch.utils.cpp_extension import load
-
         # `-march=native` builds for this CPU: its instruction sets are part of the name, so
-        # a cache shared with another machine never hands this one a build it cannot run.
+        # a cache shared with another machine never hands this one a build it cannot run;
+        # torch's and Python's versions are too, as the build is loaded without a rebuild check.
+        import torch
+
         digest = hashlib.sha256(" ".join(_CFLAGS).encode() + _cpu_identity())
+        digest.update(f"{torch.__version__} {sys.version} {getattr(sys, 'abiflags', '')}".encode())
         for f in sorted(_CSRC.iterdir()):
             digest.update(f.name.encode() + f.read_bytes())
-        logger.info("Loading keel's CPU kernels (compiled once per machine)")
-        _module = load(
-            name=f"keel_cpu_ops_{digest.hexdigest()[:12]}",
-            sources=[str(_CSRC / s) for s in _SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(_CSRC)],
-            verbose=False,
-        )
+        name = f"keel_cpu_ops_{digest.hexdigest()[:12]}"
+        folder = _build_root() / name
+        _module = _import_built(name, folder)
+        if _module is None:
+            from torch.utils.cpp_extension import load
+
+            logger.info("Building keel's CPU kernels (once per machine, ~1 minute)")
+            folder.mkdir(parents=True, exist_ok=True)
+            _module = load(
+                name=name,
+                sources=[str(_CSRC / s) for s in _SOURCES],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(_CSRC)],
+                build_directory=str(folder),
+                verbose=False,
+            )
+            _mark_built(folder, name)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: torch path
         logger.warning("keel's CPU kernels are unavailable (%s); using torch ops instead.", e)
         _module = None

@@ -153,7 +153,7 @@ def test_decode_many_rows(dtype, tol, window):
     assert (out - ref).abs().max().item() < tol
 
 
-def test_kernel_build_failure_falls_back(monkeypatch):
+def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):
     """No compiler (or any build error): get_cpu_ops() says so and returns None, so every
     layer takes its torch path; KEEL_CPU_KERNEL=0 turns the kernels off."""
     import torch.utils.cpp_extension as cpp_ext
@@ -163,6 +163,7 @@ def test_kernel_build_failure_falls_back(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no finished build there
     monkeypatch.setattr(cpu_ops, "_tried", False)
     monkeypatch.setattr(cpu_ops, "_module", None)
     monkeypatch.setattr(cpp_ext, "load", broken)
@@ -170,6 +171,39 @@ def test_kernel_build_failure_falls_back(monkeypatch):
     monkeypatch.setattr(cpu_ops, "_tried", False)
     monkeypatch.setenv("KEEL_CPU_KERNEL", "0")
     assert cpu_ops.get_cpu_ops() is None
+
+
+def test_kernels_import_their_finished_build(monkeypatch):
+    """A later start imports the finished build directly, without the JIT builder's rebuild
+    check (setuptools and ninja, ~0.3 s of every start)."""
+    import torch.utils.cpp_extension as cpp_ext
+
+    from keel import cpu_ops
+
+    assert cpu_ops.get_cpu_ops() is not None  # built here, or imported
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the finished build should have been imported, not built again")
+
+    monkeypatch.setattr(cpu_ops, "_tried", False)
+    monkeypatch.setattr(cpu_ops, "_module", None)
+    monkeypatch.setattr(cpp_ext, "load", no_build)
+    ops = cpu_ops.get_cpu_ops()
+    assert ops is not None and hasattr(ops, "paged_attention")
+
+
+def test_unfinished_or_broken_build_is_not_imported(tmp_path):
+    """A build folder without the finished marker is left to the JIT builder, and one whose
+    library does not import loses its marker (so it is built again)."""
+    from keel import cpu_ops
+
+    name = "keel_cpu_ops_test"
+    (tmp_path / f"{name}.so").write_bytes(b"not a shared library")
+    assert cpu_ops._import_built(name, tmp_path) is None  # no marker: not finished
+    cpu_ops._mark_built(tmp_path, name)
+    assert (tmp_path / cpu_ops._DONE).is_file()
+    assert cpu_ops._import_built(name, tmp_path) is None  # does not import
+    assert not (tmp_path / cpu_ops._DONE).exists()
 
 
 def test_kernel_kv_write_matches_torch_and_checks_slots(monkeypatch):

@@ -76,9 +76,12 @@ def _build_root() -> Path:
 
 
 def _mark_built(folder: Path, name: str) -> None:
-    tmp = folder / f"{_DONE}.{os.getpid()}"
-    tmp.write_text(name)
-    tmp.replace(folder / _DONE)  # atomic: a reader sees no marker or a whole one
+    try:
+        tmp = folder / f"{_DONE}.{os.getpid()}"
+        tmp.write_text(name)
+        tmp.replace(folder / _DONE)  # atomic: a reader sees no marker or a whole one
+    except OSError as e:  # the kernels are loaded; only the next start's shortcut is lost
+        logger.debug("Could not mark the kernels' build in %s finished: %s", folder, e)
 
 
 def _import_built(name: str, folder: Path) -> Any | None:

@@ -67,8 +67,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         # One table for the whole model where LlamaModel passes it (see there).
-        self.rotary_emb = rotary_emb or RotaryEmbedding(config, self.head_dim,
-                                                        config.max_position_embeddings)
+        if rotary_emb is None:
+            rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
             sliding_window=_sliding_window(config, layer_idx), prefix=f"layers.{layer_idx}",

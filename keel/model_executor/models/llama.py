@@ -44,6 +44,10 @@ def _sliding_window(config: Any, layer_idx: int) -> int | None:
     return window  # Mistral: all layers when set
 
 
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool, dtype,
                  rotary_emb: RotaryEmbedding | None = None) -> None:
@@ -51,7 +55,7 @@ class LlamaAttention(nn.Module):
         hidden = config.hidden_size
         self.total_heads = config.num_attention_heads
         self.total_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.total_heads
+        self.head_dim = _head_dim(config)
         o_bias = getattr(config, "attention_bias", False) and not qkv_bias
         self.qkv_proj = QKVParallelLinear(
             hidden, self.head_dim, self.total_heads, self.total_kv_heads,
@@ -161,9 +165,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens = PPMissingLayer()
         # Every layer rotates with the same cos/sin table ([max_position, head_dim] float32, 4 MiB
         # at 8k positions and head size 64): built once, not once per layer.
-        head_dim = (getattr(config, "head_dim", None)
-                    or config.hidden_size // config.num_attention_heads)
-        rope = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
+        rope = RotaryEmbedding(config, _head_dim(config), config.max_position_embeddings)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, qkv_bias, qk_norm, dtype, rope)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()

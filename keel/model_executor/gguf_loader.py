@@ -4,8 +4,10 @@ keel loads models from Hugging Face folders only. A GGUF file is converted once
 (dequantised to float32) into ``$KEEL_CACHE_DIR/gguf/<stem>-<hash>/`` holding
 ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
 tokenizer files; later runs reuse that folder. Beside them, in ``keel_gguf/``: each tensor's
-GGUF type (``tensor_types.json``) and the 4-bit tensors' own blocks (``int4.safetensors``),
-from which keel keeps those weights quantized in memory (layers/quantization.py).
+GGUF type (``tensor_types.json``), the 4-bit tensors' own blocks (``int4.safetensors``),
+from which keel keeps those weights quantized in memory (layers/quantization.py), and the
+converted file's path, size and mtime (``source.json``): after a conversion, the folders of
+files that are gone or changed are deleted, as no run can find them again.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ CACHE_FORMAT = 2
 # In a subfolder, so that the float32 checkpoint stays the folder's only *.safetensors.
 INT4_FILE = "keel_gguf/int4.safetensors"
 TYPES_FILE = "keel_gguf/tensor_types.json"
+# The GGUF file converted: its path, size and mtime (remove_stale_conversions).
+SOURCE_FILE = "keel_gguf/source.json"
 
 # general.architecture -> whether llama.cpp permuted the q/k rows for rotary.
 # Mistral GGUFs written by llama.cpp declare "llama", so they are covered by it.
@@ -76,13 +80,51 @@ def gguf_cache_dir(gguf_path: str | os.PathLike) -> Path:
 
 
 def resolve_gguf(gguf_path: str | os.PathLike) -> Path:
-    """Return the HF folder for ``gguf_path``, converting the file on first use."""
+    """Return the HF folder for ``gguf_path``, converting the file on first use (and then
+    removing the cache's conversions that no later run can use, see remove_stale_conversions)."""
     out_dir = gguf_cache_dir(gguf_path)
     # The folder only ever appears via an atomic rename, so existing means complete.
     if out_dir.is_dir():
         return out_dir
     logger.info("Converting GGUF %s to a Hugging Face folder at %s", gguf_path, out_dir)
-    return convert_gguf_to_hf(gguf_path, out_dir)
+    convert_gguf_to_hf(gguf_path, out_dir)
+    remove_stale_conversions(out_dir)
+    return out_dir
+
+
+def remove_stale_conversions(keep: Path) -> list[Path]:
+    """Delete the folders beside ``keep`` that no run can find again, and return them.
+
+    A folder's name is a hash of its GGUF file's path, size and modification time, so once
+    that file is deleted, replaced or touched (a reinstalled package, a removed clone), its
+    folder (hundreds of MB to GBs) is never used again. A folder is stale when the file its
+    ``keel_gguf/source.json`` names is gone or changed. A folder from before that record
+    existed is stale when it holds the same file name as ``keep`` (an earlier install of the
+    same model; if it was still in use elsewhere, that run converts its file once again)."""
+    stem = keep.name.rsplit("-", 1)[0]
+    removed: list[Path] = []
+    for folder in sorted(keep.parent.iterdir()):
+        if folder == keep or folder.name.startswith(".") or not folder.is_dir():
+            continue
+        name_stem, _, digest = folder.name.rpartition("-")
+        if len(digest) != 16:  # not a conversion's folder
+            continue
+        try:
+            source = json.loads((folder / SOURCE_FILE).read_text())
+            path = Path(source["path"])
+            stale = not path.is_file() or (path.stat().st_size, path.stat().st_mtime_ns) != (
+                source["size"], source["mtime_ns"])
+        except FileNotFoundError:
+            stale = name_stem == stem and not (folder / SOURCE_FILE).exists()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable: leave it alone
+        if stale:
+            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            shutil.rmtree(folder, ignore_errors=True)
+            logger.info("Removed %s, a GGUF conversion whose file is gone or changed "
+                        "(%.0f MB)", folder, size / 2**20)
+            removed.append(folder)
+    return removed
 
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -164,6 +206,9 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
         if int4:
             save_file(int4, str(tmp_dir / INT4_FILE), metadata={"format": "pt"})
         (tmp_dir / TYPES_FILE).write_text(json.dumps(types, indent=1))
+        st = path.stat()
+        (tmp_dir / SOURCE_FILE).write_text(json.dumps(
+            {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
         config.save_pretrained(tmp_dir)
         GenerationConfig.from_model_config(config).save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -175,6 +176,76 @@ def test_move_into_place_replaces_old_folder(tmp_path: Path) -> None:
     gguf_loader._move_into_place(new, out)
     assert [p.name for p in out.iterdir()] == ["new.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_conversion_records_its_source(converted: Path, gguf_path: Path) -> None:
+    source = json.loads((converted / gguf_loader.SOURCE_FILE).read_text())
+    st = gguf_path.resolve().stat()
+    assert source == {"path": str(gguf_path.resolve()), "size": st.st_size,
+                      "mtime_ns": st.st_mtime_ns}
+
+
+def _fake_conversion(root: Path, name: str, source: Path | None) -> Path:
+    """A cache folder as convert_gguf_to_hf leaves it, recording `source` as it is now
+    (None: a folder from before keel recorded its source)."""
+    folder = root / name
+    (folder / "keel_gguf").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"x" * 1000)
+    if source is not None:
+        st = source.stat()
+        (folder / gguf_loader.SOURCE_FILE).write_text(json.dumps(
+            {"path": str(source), "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    return folder
+
+
+def test_stale_conversions_are_removed(tmp_path: Path) -> None:
+    """After a conversion, the cache keeps the folders whose GGUF file is still there as it
+    was, and deletes those of files that were removed or changed (a reinstalled package, a
+    deleted clone: each left ~600 MB behind for the default model before) and, from before
+    the source was recorded, those of the same file name."""
+    root = tmp_path / "gguf"
+    a, b, c = (tmp_path / n for n in ("a.gguf", "b.gguf", "c.gguf"))
+    for f in (a, b, c):
+        f.write_bytes(b"GGUF" + bytes(10))
+    keep = _fake_conversion(root, "a-" + "0" * 16, a)
+    other_model = _fake_conversion(root, "b-" + "1" * 16, b)
+    touched = _fake_conversion(root, "c-" + "2" * 16, c)
+    deleted = _fake_conversion(root, "d-" + "3" * 16, tmp_path / "a.gguf")
+    legacy_same = _fake_conversion(root, "a-" + "4" * 16, None)
+    legacy_other = _fake_conversion(root, "b-" + "5" * 16, None)
+    not_ours = root / "notes"
+    not_ours.mkdir()
+    in_progress = root / ".a-6666666666666666.tmp-x"
+    in_progress.mkdir()
+    st = c.stat()
+    os.utime(c, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    (deleted / gguf_loader.SOURCE_FILE).write_text(json.dumps(
+        {"path": str(tmp_path / "gone.gguf"), "size": 14, "mtime_ns": 1}))
+
+    removed = gguf_loader.remove_stale_conversions(keep)
+
+    assert sorted(removed) == sorted([touched, deleted, legacy_same])
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        p.name for p in (keep, other_model, legacy_other, not_ours, in_progress))
+
+
+def test_resolve_removes_stale_conversions_after_converting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(10))
+    root = tmp_path / "cache" / "gguf"
+    old = _fake_conversion(root, "m-" + "7" * 16, path)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # the file was replaced
+
+    def convert(gguf, out_dir):
+        return _fake_conversion(Path(out_dir).parent, Path(out_dir).name, Path(gguf).resolve())
+
+    monkeypatch.setattr(gguf_loader, "convert_gguf_to_hf", convert)
+    new = resolve_gguf(path)
+    assert new != old and new.is_dir() and not old.exists()
+    assert resolve_gguf(path) == new  # the fresh folder is reused, not removed
 
 
 def _write_gguf(path: Path, arch: str, tensor_names: list[str]) -> Path:

@@ -34,6 +34,8 @@ INT4_FILE = "keel_gguf/int4.safetensors"
 TYPES_FILE = "keel_gguf/tensor_types.json"
 # The GGUF file converted: its path, size and mtime (remove_stale_conversions).
 SOURCE_FILE = "keel_gguf/source.json"
+# The quantized LM head, written by the first load (quantize_model._gguf_head_int8).
+HEAD_INT8_FILE = "keel_gguf/lm_head_int8.safetensors"
 
 # general.architecture -> whether llama.cpp permuted the q/k rows for rotary.
 # Mistral GGUFs written by llama.cpp declare "llama", so they are covered by it.

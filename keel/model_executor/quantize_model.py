@@ -27,14 +27,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from keel.model_executor.gguf_loader import INT4_FILE, TYPES_FILE
+from keel.model_executor.gguf_loader import HEAD_INT8_FILE, INT4_FILE, TYPES_FILE
 from keel.model_executor.gguf_quant import INT4_TYPES, INT8_TYPES
 from keel.model_executor.layers.linear import LinearBase, cpu_gemm
 from keel.model_executor.layers.quantization import (
     ALL_ROWS,
     Int4Weight,
     choose_group_size,
+    keel_int4_form,
     pack_int4,
+    pack_int4_pairs,
     pack_int8,
     pack_w8a8,
     quantize_int4,
@@ -93,15 +95,50 @@ def quantize_model(model: nn.Module, method: str, folder: Path,
         head_type = types.get("lm_head.weight") or types.get("model.embed_tokens.weight", "F32")
         if method == "w8a8":  # the LM head stays dense, as in vLLM's W8A8 checkpoints
             quant_bytes += head_bytes
-        elif method != "gguf" or head_type in INT4_TYPES + INT8_TYPES:
+        elif method == "gguf" and head_type in INT4_TYPES + INT8_TYPES:
+            head.quant = pack_int8(*_gguf_head_int8(head, folder))
+            kinds[f"lm_head int8 (from {head_type})"] += 1
+            quant_bytes += head.quant.nbytes
+        elif method != "gguf":
             head.quant = pack_int8(*quantize_int8(head.weight.data))
-            kinds[f"lm_head int8 (from {head_type if method == 'gguf' else 'float'})"] += 1
+            kinds["lm_head int8 (from float)"] += 1
             quant_bytes += head.quant.nbytes
         else:
             quant_bytes += head_bytes
     logger.info("Quantized weights (%s): %s. A token reads %.1f MiB of weights (dense: %.1f "
                 "MiB).", method, ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items())),
                 quant_bytes / MiB, dense_bytes / MiB)
+
+
+def _gguf_head_int8(head: ParallelLMHead, folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int8 of a GGUF model's LM head, kept in its cached folder after the first
+    load (~0.2 s of start-up for the default model's 49,152 x 576 head; the folder is keyed
+    by the GGUF file, so its float32 head never changes). A copy that cannot be read or
+    written, or a head of another shape or dtype (tensor parallel, bfloat16), is quantized
+    again."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+
+    w = head.weight.data
+    path = folder / HEAD_INT8_FILE
+    if w.dtype == torch.float32 and head.tp_size == 1:
+        try:
+            saved = load_file(str(path))
+            if saved["q"].shape == w.shape and saved["scale"].shape == w.shape[:1]:
+                return saved["q"], saved["scale"]
+        except (OSError, KeyError, SafetensorError) as e:
+            if not isinstance(e, FileNotFoundError):
+                logger.warning("Cannot read %s (%s); quantizing the LM head again.", path, e)
+    q, scale = quantize_int8(w)
+    if w.dtype == torch.float32 and head.tp_size == 1:  # a shard is not the whole head
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            save_file({"q": q, "scale": scale}, str(tmp))
+            os.replace(tmp, path)  # whole or absent for a concurrent reader
+        except OSError as e:  # a read-only cache only costs the next start this step
+            tmp.unlink(missing_ok=True)
+            logger.info("Cannot keep the quantized LM head in %s (%s).", path, e)
+    return q, scale
 
 
 def _int4_padded(w: torch.Tensor, group: int):
@@ -125,6 +162,13 @@ def _gguf_linear(module: LinearBase, name: str, mapping, types: dict[str, str],
     sources = _sources(name, mapping)
     kinds = {types.get(s, "F32") for s in sources}
     if kinds <= set(INT4_TYPES) and int4_file is not None:
+        k = module.weight.shape[1]
+        if module.tp_size == 1 and k % 32 == 0 and keel_int4_form():
+            # The file's nibble pairs are the kernel's: no unpacking and packing again.
+            pairs, scale, zero = (torch.cat([int4_file.get_tensor(f"{s}.int4_{x}")
+                                             for s in sources]) for x in ("q", "scale", "zero"))
+            module.quant = pack_int4_pairs(pairs, scale, zero, k)
+            return f"int4/g32 (GGUF {'+'.join(sorted(kinds))})"
         parts = [_read_int4(int4_file, s) for s in sources]
         if module.tp_size > 1:
             q, scale, zero = _this_rank(module, name, mapping, parts)

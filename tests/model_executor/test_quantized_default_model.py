@@ -92,3 +92,80 @@ def test_quantized_default_model_answers():
     llm.shutdown()
     assert llm.config.model_config.quantization_method == "gguf"
     assert "Paris" in out[0].outputs[0].text
+
+
+def test_gguf_weights_load_as_the_slower_way_made_them():
+    """Two shortcuts of the load, each checked against the way it replaced: the int4 layers
+    take the converted file's nibble pairs as they are (no unpacking to int32 and packing
+    again), and the int8 LM head is read from the folder after the first load."""
+    from safetensors import safe_open
+
+    from keel.config import resolve_model_path
+    from keel.model_executor.gguf_loader import HEAD_INT8_FILE, INT4_FILE
+    from keel.model_executor.layers.quantization import pack_int4, quantize_int8
+    from keel.model_executor.quantize_model import _read_int4, _sources
+
+    folder = resolve_model_path(None)
+    model = load_model(ModelConfig(None, dtype="float32"))
+    checked = 0
+    with safe_open(str(folder / INT4_FILE), framework="pt") as f:
+        for name, m in model.named_modules():
+            if isinstance(getattr(m, "quant", None), Int4Weight):
+                parts = [_read_int4(f, s) for s in _sources(name, model.stacked_params_mapping)]
+                before = pack_int4(*(torch.cat(x) for x in zip(*parts)), 32)
+                assert m.quant.keel is not None and before.keel is not None
+                assert all(torch.equal(a, b) for a, b in zip(m.quant.keel, before.keel)), name
+                checked += 1
+    assert checked == 120
+    head = model.lm_head
+    q, scale = quantize_int8(head.weight.data)
+    assert (folder / HEAD_INT8_FILE).is_file()
+    assert torch.equal(head.quant.q, q) and torch.equal(head.quant.scales_f32, scale)
+
+
+def _head(rows: int, dtype=torch.float32):
+    from keel.model_executor.layers.vocab_embedding import ParallelLMHead
+
+    head = ParallelLMHead(rows, 64, dtype=dtype)
+    head.weight.data.copy_(torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)))
+    return head
+
+
+def test_lm_head_int8_is_kept_and_checked(tmp_path, monkeypatch, caplog):
+    from keel.model_executor import quantize_model as qm
+    from keel.model_executor.gguf_loader import HEAD_INT8_FILE
+    from keel.model_executor.layers.quantization import quantize_int8
+
+    (tmp_path / "keel_gguf").mkdir()
+    path = tmp_path / HEAD_INT8_FILE
+    head = _head(1000)
+    want = quantize_int8(head.weight.data)
+    got = qm._gguf_head_int8(head, tmp_path)  # first load: quantized, then kept
+    assert path.is_file() and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    real = qm.quantize_int8
+    monkeypatch.setattr(qm, "quantize_int8", lambda w: pytest.fail("quantized again"))
+    got = qm._gguf_head_int8(head, tmp_path)  # later loads: read back
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    monkeypatch.setattr(qm, "quantize_int8", real)
+
+    other = _head(500)  # a file that does not fit this head is not used
+    got = qm._gguf_head_int8(other, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(got, quantize_int8(other.weight.data)))
+
+    path.write_bytes(b"not a safetensors file")
+    with caplog.at_level(logging.WARNING, logger="keel.model_executor.quantize_model"):
+        got = qm._gguf_head_int8(head, tmp_path)
+    assert "Cannot read" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    path.unlink()
+    bf16 = _head(1000, torch.bfloat16)  # not the float32 values the file would be made from
+    got = qm._gguf_head_int8(bf16, tmp_path)
+    assert not path.exists()
+    assert all(torch.equal(a, b) for a, b in zip(got, quantize_int8(bf16.weight.data)))
+
+    path.mkdir()  # a copy that can be neither read nor replaced: the head still loads
+    got = qm._gguf_head_int8(head, tmp_path)
+    assert path.is_dir() and [p.name for p in path.parent.iterdir()] == [path.name]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

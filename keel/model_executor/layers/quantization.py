@@ -142,15 +142,7 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
         if k32 != k:
             q = F.pad(q, (0, k32 - k), value=8)
         q = q.to(torch.uint8)
-        pairs = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-        # The kernel's form is Q4_1's, W = q d + m: float16 where that is exact (a Q4_0 or
-        # Q4_1 file's own d and m: half the bytes a token reads for them), else float32.
-        d = scale[:, : k32 // 32].double()
-        m = zero[:, : k32 // 32].double() - 8 * d
-        exact = torch.equal(d.half().double(), d) and torch.equal(m.half().double(), m)
-        dtype16 = torch.float16 if exact else torch.float32
-        keel = (pairs, d.to(dtype16).contiguous(), m.to(dtype16).contiguous())
-        return Int4Weight(None, None, group_size, k, n, keel=keel)
+        return pack_int4_pairs(q[:, 0::2] | (q[:, 1::2] << 4), scale, zero, k)
     k_pad = -(-k // max(group_size, 16 * _INNER_K_TILES)) * max(group_size, 16 * _INNER_K_TILES)
     if k_pad != k:
         extra = (k_pad - k) // group_size
@@ -167,6 +159,22 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
                                                                 _INNER_K_TILES)
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
     return Int4Weight(packed, sz, group_size, k, n)
+
+
+def pack_int4_pairs(pairs: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    k: int) -> Int4Weight:
+    """keel's kernel form (groups of 32) from q already two nibbles per byte: `pairs` uint8
+    [N, K32 / 2], element 2i in the low nibble (pack_int4's and a converted GGUF file's
+    form); scale/zero [N, >= K32 / 32] as pack_int4 takes them."""
+    n, k32 = pairs.shape[0], pairs.shape[1] * 2
+    # The kernel's form is Q4_1's, W = q d + m: float16 where that is exact (a Q4_0 or
+    # Q4_1 file's own d and m: half the bytes a token reads for them), else float32.
+    d = scale[:, : k32 // 32].double()
+    m = zero[:, : k32 // 32].double() - 8 * d
+    exact = torch.equal(d.half().double(), d) and torch.equal(m.half().double(), m)
+    dtype16 = torch.float16 if exact else torch.float32
+    keel = (pairs.contiguous(), d.to(dtype16).contiguous(), m.to(dtype16).contiguous())
+    return Int4Weight(None, None, 32, k, n, keel=keel)
 
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor,
@@ -205,6 +213,11 @@ def w8a8_linear(x: torch.Tensor, w: W8A8Weight) -> torch.Tensor:
     s = torch.linalg.vector_norm(xf, float("inf"), -1, True).clamp_(min=1e-30)
     out = torch.ops.quantized.linear_dynamic(xf / s, w.packed, True).mul_(s)
     return out.to(x.dtype)
+
+
+def keel_int4_form() -> bool:
+    """Whether int4 groups of 32 take keel's kernel form (pack_int4_pairs)."""
+    return _keel_ops() is not None
 
 
 def _keel_ops():

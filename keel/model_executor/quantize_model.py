@@ -131,14 +131,22 @@ def _gguf_head_int8(head: ParallelLMHead, folder: Path) -> tuple[torch.Tensor, t
                 logger.warning("Cannot read %s (%s); quantizing the LM head again.", path, e)
     q, scale = quantize_int8(w)
     if w.dtype == torch.float32 and head.tp_size == 1:  # a shard is not the whole head
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            save_file({"q": q, "scale": scale}, str(tmp))
-            os.replace(tmp, path)  # whole or absent for a concurrent reader
+            _replace_atomically(path, lambda tmp: save_file({"q": q, "scale": scale}, str(tmp)))
         except OSError as e:  # a read-only cache only costs the next start this step
-            tmp.unlink(missing_ok=True)
             logger.info("Cannot keep the quantized LM head in %s (%s).", path, e)
     return q, scale
+
+
+def _replace_atomically(path: Path, write) -> None:
+    """write(tmp) beside `path`, then rename it over `path`: a concurrent reader finds the
+    old file or the new one whole. Errors propagate; the temporary file never stays."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _int4_padded(w: torch.Tensor, group: int):
@@ -286,9 +294,8 @@ class _RowsCache:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.data, indent=1))
-            os.replace(tmp, self.path)
+            _replace_atomically(self.path,
+                                lambda tmp: tmp.write_text(json.dumps(self.data, indent=1)))
         except OSError as e:  # a read-only home: measure again next time
             logger.warning("Cannot save %s: %s", self.path, e)
 

@@ -169,3 +169,23 @@ def test_lm_head_int8_is_kept_and_checked(tmp_path, monkeypatch, caplog):
     got = qm._gguf_head_int8(head, tmp_path)
     assert path.is_dir() and [p.name for p in path.parent.iterdir()] == [path.name]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_rows_cache_is_replaced_whole(tmp_path, monkeypatch, caplog):
+    """The per-CPU measurements of choose_rows_per_pass are written beside and renamed over
+    the old file (no temporary file stays); a cache that cannot be written is logged."""
+    from keel.model_executor.quantize_model import _RowsCache
+
+    monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path / "cache"))
+    cache = _RowsCache()
+    cache.put("layer 576x576", 8)
+    cache.save()
+    assert _RowsCache().get("layer 576x576") == 8
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["quantized_rows.json"]
+    cache.path.unlink()
+    cache.path.mkdir()  # cannot be replaced: the load goes on, measuring again next time
+    cache.put("layer 576x576", 1)
+    with caplog.at_level(logging.WARNING, logger="keel.model_executor.quantize_model"):
+        cache.save()
+    assert "Cannot save" in caplog.text
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["quantized_rows.json"]

@@ -113,11 +113,11 @@ def remove_stale_conversions(keep: Path) -> list[Path]:
             continue
         try:
             source = json.loads((folder / SOURCE_FILE).read_text())
-            path = Path(source["path"])
-            stale = not path.is_file() or (path.stat().st_size, path.stat().st_mtime_ns) != (
-                source["size"], source["mtime_ns"])
+            st = Path(source["path"]).stat()
+            stale = (st.st_size, st.st_mtime_ns) != (source["size"], source["mtime_ns"])
         except FileNotFoundError:
-            stale = name_stem == stem and not (folder / SOURCE_FILE).exists()
+            # No record (a folder from before it), or the file it records is gone.
+            stale = name_stem == stem or (folder / SOURCE_FILE).exists()
         except (OSError, ValueError, KeyError, TypeError):
             continue  # unreadable: leave it alone
         if stale:

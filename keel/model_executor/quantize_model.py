@@ -121,7 +121,8 @@ def _gguf_head_int8(head: ParallelLMHead, folder: Path) -> tuple[torch.Tensor, t
 
     w = head.weight.data
     path = folder / HEAD_INT8_FILE
-    if w.dtype == torch.float32 and head.tp_size == 1:
+    whole = w.dtype == torch.float32 and head.tp_size == 1  # the file's head, not a shard
+    if whole:
         try:
             saved = load_file(str(path))
             if saved["q"].shape == w.shape and saved["scale"].shape == w.shape[:1]:
@@ -130,7 +131,7 @@ def _gguf_head_int8(head: ParallelLMHead, folder: Path) -> tuple[torch.Tensor, t
             if not isinstance(e, FileNotFoundError):
                 logger.warning("Cannot read %s (%s); quantizing the LM head again.", path, e)
     q, scale = quantize_int8(w)
-    if w.dtype == torch.float32 and head.tp_size == 1:  # a shard is not the whole head
+    if whole:
         try:
             _replace_atomically(path, lambda tmp: save_file({"q": q, "scale": scale}, str(tmp)))
         except OSError as e:  # a read-only cache only costs the next start this step

@@ -93,9 +93,9 @@ class IncrementalDetokenizer:
         params = request.sampling_params
         if tokenizer is None or not params.detokenize:
             return IncrementalDetokenizer()
-        from transformers import PreTrainedTokenizerFast  # loaded already: we hold a tokenizer
-
-        if isinstance(tokenizer, PreTrainedTokenizerFast) and params.spaces_between_special_tokens:
+        # A tokenizer with a `tokenizers` backend: transformers' fast ones and keel's
+        # FastTokenizer (keel/engine/fast_tokenizer.py), which is not a transformers class.
+        if getattr(tokenizer, "is_fast", False) and params.spaces_between_special_tokens:
             return FastIncrementalDetokenizer(tokenizer, request)
         return SlowIncrementalDetokenizer(tokenizer, request)
 

@@ -190,17 +190,27 @@ def load_tokenizer(path, hf_config=None):
     it is handed to AutoTokenizer, which would otherwise import transformers' config classes
     (~1.3 s) only to learn the model type; if that fails, AutoTokenizer reads the folder
     itself. Where AutoTokenizer would return transformers' generic tokenizer class anyway
-    (`_generic_tokenizer_folder`), that class is loaded directly."""
+    (`_generic_tokenizer_folder`), that class is loaded directly; in a folder keel converted
+    from a GGUF file, from the snapshot its first load kept, without transformers
+    (keel/engine/fast_tokenizer.py)."""
     from keel.model_executor.hf_config import HFConfig
 
     if isinstance(hf_config, HFConfig) and _generic_tokenizer_folder(path, hf_config):
+        from keel.engine.fast_tokenizer import load_snapshot, save_snapshot
+
+        fast = load_snapshot(path)
+        if fast is not None:
+            return fast
         try:
             # Skips importing transformers' model registry (~0.4 s of start-up here).
             from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-            return TokenizersBackend.from_pretrained(str(path))
+            tokenizer = TokenizersBackend.from_pretrained(str(path))
         except Exception as e:  # noqa: BLE001 - AutoTokenizer below reports the real problem
             logger.debug("TokenizersBackend failed (%s); trying AutoTokenizer", e)
+        else:
+            save_snapshot(tokenizer, path)
+            return tokenizer
     from transformers import AutoTokenizer
 
     if isinstance(hf_config, HFConfig):

@@ -133,3 +133,21 @@ def test_embed_too_long_text_names_the_flag(capsys):
     assert rc == 2 and "--truncate-prompt-tokens must be" in capsys.readouterr().err
     rc = main(["embed", "--runner", "generate", "hi"])
     assert rc == 2 and "--runner generate" in capsys.readouterr().err
+
+
+def test_seconds_since_process_start_is_the_process_age():
+    """`keel generate` logs its first token against the process's start: the age it reads
+    lies between what the process slept and what its parent saw pass (one 10 ms tick of
+    slack). Read against the wall clock (/proc/stat's btime) it was up to ~1 s too large."""
+    import subprocess
+    import sys
+    import time
+
+    probe = ("import time; time.sleep(0.5); from keel.utils import seconds_since_process_start; "
+             "print(seconds_since_process_start())")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
+                         text=True).stdout
+    elapsed = time.monotonic() - t0
+    age = float(out.strip().splitlines()[-1])
+    assert 0.5 <= age <= elapsed + 0.02, (age, elapsed)

@@ -116,10 +116,10 @@ def load_snapshot(folder: str | os.PathLike) -> FastTokenizer | None:
         from tokenizers import Tokenizer
 
         backend = Tokenizer.from_str((target / "tokenizer.json").read_text())
-    except (OSError, ValueError, KeyError, Exception) as e:  # noqa: BLE001 - any bad snapshot
+        return FastTokenizer(folder, backend, meta)
+    except Exception as e:  # noqa: BLE001 - any unreadable snapshot: transformers loads it
         logger.debug("No usable tokenizer snapshot in %s (%s)", target, e)
         return None
-    return FastTokenizer(folder, backend, meta)
 
 
 class FastTokenizer:

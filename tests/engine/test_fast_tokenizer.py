@@ -141,9 +141,12 @@ def test_stale_or_broken_snapshots_are_not_read(keel_folder, plain_llama, tmp_pa
     assert load_snapshot(keel_folder) is None
     assert type(_load(keel_folder)).__name__ == "TokenizersBackend"
     assert isinstance(_load(keel_folder), FastTokenizer)
-    # Another library version than the snapshot's: stale.
+    # A record without one of its fields (a snapshot of another keel): not read.
     meta_path = keel_folder / SNAPSHOT_DIR / "meta.json"
     meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "eos_token_id"}))
+    assert load_snapshot(keel_folder) is None
+    # Another library version than the snapshot's: stale.
     meta["fingerprint"]["versions"]["transformers"] = "0.0.1"
     meta_path.write_text(json.dumps(meta))
     assert load_snapshot(keel_folder) is None

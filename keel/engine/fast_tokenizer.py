@@ -35,7 +35,7 @@ _FORMAT = 1
 # The files transformers builds a TokenizersBackend from.
 _SOURCES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
             "chat_template.jinja", "chat_template.json", "added_tokens.json")
-_PLAIN = (str, int, float, bool, type(None))
+_PLAIN = (str, int, float, bool, type(None))  # exact types: transformers rebuilds others
 
 
 def _fingerprint(folder: Path) -> dict[str, Any]:
@@ -196,7 +196,7 @@ class FastTokenizer:
         compiled = _compile(self.chat_template) if isinstance(self.chat_template, str) else None
         if (conversations is None or compiled is None or tools is not None or documents is not None
                 or chat_template is not None or continue_final_message or tokenize
-                or not all(isinstance(v, _PLAIN) for v in kwargs.values())):
+                or not all(type(v) in _PLAIN for v in kwargs.values())):
             return self.full.apply_chat_template(
                 conversation, tools=tools, documents=documents, chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
@@ -205,8 +205,7 @@ class FastTokenizer:
         rendered = [compiled.render(messages=chat, tools=None, documents=None,
                                     add_generation_prompt=add_generation_prompt,
                                     **template_kwargs) for chat in conversations]
-        batched = len(conversation) > 0 and isinstance(conversation[0], (list, tuple))
-        return rendered if batched else rendered[0]
+        return rendered if isinstance(conversation[0], (list, tuple)) else rendered[0]
 
     # -- everything else: transformers' tokenizer -------------------------------------------
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -44,6 +46,17 @@ def resolve_obj_by_qualname(qualname: str):
     if not module_name:
         raise ValueError(f"{qualname!r} is not a qualified name like 'package.module.Class'.")
     return getattr(importlib.import_module(module_name), obj_name)
+
+
+def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """write(tmp) beside `path`, then rename it over `path`: a concurrent reader finds the
+    old file or the new one whole. Errors propagate; the temporary file never stays."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def seconds_since_process_start() -> float | None:

@@ -23,14 +23,15 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from keel.model_executor.gguf_loader import KEEL_DIR, TOKENIZER_DIR
+from keel.utils import replace_atomically
+
 logger = logging.getLogger(__name__)
 
-SNAPSHOT_DIR = "keel_gguf/tokenizer"  # inside a folder keel converted (keel_gguf/ marks it)
 _FORMAT = 1
 # The files transformers builds a TokenizersBackend from.
 _SOURCES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -39,7 +40,8 @@ _PLAIN = (str, int, float, bool, type(None))  # exact types: transformers rebuil
 
 
 def _fingerprint(folder: Path) -> dict[str, Any]:
-    """What a snapshot is valid for: the tokenizer files' contents and both libraries."""
+    """What a snapshot is valid for: the tokenizer files' contents and the libraries'
+    versions."""
     files = {}
     for name in _SOURCES:
         path = folder / name
@@ -60,7 +62,8 @@ def save_snapshot(tokenizer: Any, folder: str | os.PathLike) -> bool:
     something FastTokenizer would not do the same way (then every load goes through
     transformers, as before)."""
     folder = Path(folder)
-    if not (folder / "keel_gguf").is_dir() or type(tokenizer).__name__ != "TokenizersBackend":
+    if (not (folder / KEEL_DIR).is_dir()
+            or type(tokenizer).__name__ != "TokenizersBackend"):
         return False
     template, special_map = tokenizer.chat_template, dict(tokenizer.special_tokens_map)
     plain_map = all(type(v) is str or (type(v) is list and all(type(t) is str for t in v))
@@ -81,33 +84,23 @@ def save_snapshot(tokenizer: Any, folder: str | os.PathLike) -> bool:
         **{f"{name}_id": getattr(tokenizer, f"{name}_id")
            for name in ("bos_token", "eos_token", "pad_token", "unk_token")},
     }
-    target = folder / SNAPSHOT_DIR
+    target = folder / TOKENIZER_DIR
     try:
         target.mkdir(parents=True, exist_ok=True)
-        _write_atomically(target / "tokenizer.json", tokenizer._tokenizer.to_str())
+        backend = tokenizer._tokenizer.to_str()
+        replace_atomically(target / "tokenizer.json", lambda tmp: tmp.write_text(backend))
         # meta.json last: a snapshot without it (a write cut short) is never read.
-        _write_atomically(target / "meta.json", json.dumps(meta))
+        replace_atomically(target / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta)))
     except (OSError, TypeError, ValueError) as e:
         logger.debug("Could not keep a tokenizer snapshot in %s (%s)", target, e)
         return False
     return True
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def load_snapshot(folder: str | os.PathLike) -> FastTokenizer | None:
     """The folder's snapshot as a FastTokenizer; None where there is none or it is stale."""
     folder = Path(folder)
-    target = folder / SNAPSHOT_DIR
+    target = folder / TOKENIZER_DIR
     try:
         meta = json.loads((target / "meta.json").read_text())
         if meta.get("fingerprint") != _fingerprint(folder):

@@ -36,6 +36,9 @@ TYPES_FILE = "keel_gguf/tensor_types.json"
 SOURCE_FILE = "keel_gguf/source.json"
 # The quantized LM head, written by the first load (quantize_model._gguf_head_int8).
 HEAD_INT8_FILE = "keel_gguf/lm_head_int8.safetensors"
+# The tokenizer transformers built, kept by the first load (keel/engine/fast_tokenizer.py).
+TOKENIZER_DIR = "keel_gguf/tokenizer"
+KEEL_DIR = "keel_gguf"  # marks a folder keel converted
 
 # general.architecture -> whether llama.cpp permuted the q/k rows for rotary.
 # Mistral GGUFs written by llama.cpp declare "llama", so they are covered by it.

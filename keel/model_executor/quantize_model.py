@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from keel.model_executor.layers.quantization import (
     quantized_linear,
 )
 from keel.model_executor.layers.vocab_embedding import ParallelLMHead
+from keel.utils import replace_atomically
 
 logger = logging.getLogger(__name__)
 METHODS = ("gguf", "int8", "int4", "w8a8")
@@ -133,21 +133,10 @@ def _gguf_head_int8(head: ParallelLMHead, folder: Path) -> tuple[torch.Tensor, t
     q, scale = quantize_int8(w)
     if whole:
         try:
-            _replace_atomically(path, lambda tmp: save_file({"q": q, "scale": scale}, str(tmp)))
+            replace_atomically(path, lambda tmp: save_file({"q": q, "scale": scale}, str(tmp)))
         except OSError as e:  # a read-only cache only costs the next start this step
             logger.info("Cannot keep the quantized LM head in %s (%s).", path, e)
     return q, scale
-
-
-def _replace_atomically(path: Path, write) -> None:
-    """write(tmp) beside `path`, then rename it over `path`: a concurrent reader finds the
-    old file or the new one whole. Errors propagate; the temporary file never stays."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _int4_padded(w: torch.Tensor, group: int):
@@ -295,7 +284,7 @@ class _RowsCache:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            _replace_atomically(self.path,
+            replace_atomically(self.path,
                                 lambda tmp: tmp.write_text(json.dumps(self.data, indent=1)))
         except OSError as e:  # a read-only home: measure again next time
             logger.warning("Cannot save %s: %s", self.path, e)

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from keel.engine.fast_tokenizer import SNAPSHOT_DIR, FastTokenizer, load_snapshot, save_snapshot
+from keel.engine.fast_tokenizer import FastTokenizer, load_snapshot, save_snapshot
 from keel.engine.llm import load_tokenizer
+from keel.model_executor.gguf_loader import TOKENIZER_DIR
 from keel.model_executor.hf_config import load_hf_config
 from tests.hf_models import make_hf_model
 
@@ -65,7 +66,7 @@ def _load(folder):
 def test_snapshot_answers_as_transformers(keel_folder):
     ref = _load(keel_folder)  # the first load: transformers', which keeps the snapshot
     assert type(ref).__name__ == "TokenizersBackend"
-    assert (keel_folder / SNAPSHOT_DIR / "meta.json").is_file()
+    assert (keel_folder / TOKENIZER_DIR / "meta.json").is_file()
     fast = _load(keel_folder)
     assert isinstance(fast, FastTokenizer)
 
@@ -137,12 +138,12 @@ def test_stale_or_broken_snapshots_are_not_read(keel_folder, plain_llama, tmp_pa
     assert isinstance(fast, FastTokenizer)
     assert fast.apply_chat_template(CHATS[0], tokenize=False) == "hi!"
     # A broken snapshot file: not read, and replaced by the next load through transformers.
-    (keel_folder / SNAPSHOT_DIR / "tokenizer.json").write_text("{not json")
+    (keel_folder / TOKENIZER_DIR / "tokenizer.json").write_text("{not json")
     assert load_snapshot(keel_folder) is None
     assert type(_load(keel_folder)).__name__ == "TokenizersBackend"
     assert isinstance(_load(keel_folder), FastTokenizer)
     # A record without one of its fields (a snapshot of another keel): not read.
-    meta_path = keel_folder / SNAPSHOT_DIR / "meta.json"
+    meta_path = keel_folder / TOKENIZER_DIR / "meta.json"
     meta = json.loads(meta_path.read_text())
     meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "eos_token_id"}))
     assert load_snapshot(keel_folder) is None
@@ -154,7 +155,7 @@ def test_stale_or_broken_snapshots_are_not_read(keel_folder, plain_llama, tmp_pa
     plain = tmp_path / "plain"
     shutil.copytree(plain_llama, plain)
     assert not save_snapshot(_load(plain), plain)
-    assert not (plain / SNAPSHOT_DIR).exists()
+    assert not (plain / TOKENIZER_DIR).exists()
     assert type(_load(plain)).__name__ == "TokenizersBackend"
 
 

@@ -36,6 +36,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def cpu_has_amx_bfloat16() -> bool:
+    """Whether this CPU has AMX tiles and oneDNN computes bfloat16 GEMMs on them."""
+    return bool(torch.cpu._is_amx_tile_supported()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 @dataclass
 class ModelConfig:
     """What to load and how. `model` is a HF folder, a `.gguf` file, or None (default model)."""
@@ -82,6 +88,7 @@ class ModelConfig:
         self._resolve_runner(cls)
         self.torch_dtype = self._resolve_dtype()
         self._resolve_quantization()
+        self._auto_bfloat16()
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         limit = min(limit, self._sentence_transformers_max_len() or limit)
         if self.max_logprobs < 0:
@@ -147,6 +154,19 @@ class ModelConfig:
         if method is not None and self.torch_dtype == torch.float16:
             raise ValueError("Quantized weights compute in float32 or bfloat16: pick one.")
         self.quantization_method = method
+
+    def _auto_bfloat16(self) -> None:
+        """dtype="auto" on a CPU with AMX tiles computes a float32 checkpoint in bfloat16, as
+        vLLM's "auto" does for any float32 checkpoint: there oneDNN's bfloat16 GEMMs run 4-8x
+        faster than float32 (BENCHMARKS.md, seventeenth round). Elsewhere (AVX2, or AVX512-BF16
+        without AMX) bfloat16 GEMMs are no faster than float32 and float32 stays. Only for a
+        generating model whose weights are not kept quantized; dtype="float32" keeps float32."""
+        if (self.dtype == "auto" and self.torch_dtype == torch.float32
+                and self.torch_device.type == "cpu" and self.runner_type == "generate"
+                and self.quantization_method is None and cpu_has_amx_bfloat16()):
+            logger.info("dtype='auto': this float32 model computes in bfloat16 on this CPU "
+                        "(AMX tiles); pass dtype='float32' to keep float32.")
+            self.torch_dtype = torch.bfloat16
 
     def _sentence_transformers_max_len(self) -> int | None:
         """A sentence-transformers folder's `max_seq_length` (its encode() truncates there)."""

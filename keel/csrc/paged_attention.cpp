@@ -24,6 +24,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <limits>
 #include <optional>
@@ -139,6 +141,72 @@ inline void values_tile(const float* p, int64_t p_stride, const T* const* vblk, 
     for (int c = 0; c < 4; ++c) store8(acc + g * acc_stride + c * 8, a[g][c]);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+// bfloat16 on a CPU with AVX512-BF16: scores by bfloat16 dot products (`vdpbf16ps`: the exact
+// products of pairs, summed in float32) and values widened 16 at a time. The general path
+// widens every key once per query head, 8 at a time: there a bfloat16 decode step was
+// compute-bound (11 GB/s of K/V read against float32's 18; BENCHMARKS.md, seventeenth round).
+constexpr bool kBf16Dot = true;
+
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Scores of 8 consecutive keys (rows of D elements, D % 32 == 0) against one query head q,
+// unscaled.
+inline v8 scores8_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D) {
+  __m512 a[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 32) {
+    const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + c);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      a[i] = _mm512_dpbf16_ps(a[i], qc, (__m512bh)_mm512_loadu_si512(k + i * D + c));
+  }
+  v8 h[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)
+    h[i] = (v8)_mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+  return reduce8(h);
+}
+
+// values_tile for bfloat16 values, 32 dims from d0 in two 16-lane registers per query head.
+template <int GT>
+inline void values_tile_bf16(const float* p, int64_t p_stride, const c10::BFloat16* const* vblk,
+                             int64_t bs, int64_t D, int64_t d0, int64_t lo, int64_t hi,
+                             float* acc, int64_t acc_stride) {
+  __m512 a[GT][2];
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g) {
+    a[g][0] = _mm512_loadu_ps(acc + g * acc_stride);
+    a[g][1] = _mm512_loadu_ps(acc + g * acc_stride + 16);
+  }
+  for (int64_t bi = lo / bs; bi * bs < hi; ++bi) {
+    const int64_t t0 = std::max<int64_t>(lo - bi * bs, 0), t1 = std::min(hi - bi * bs, bs);
+    const c10::BFloat16* vb = vblk[bi] + d0;
+    const float* pb = p + bi * bs;
+    for (int64_t t = t0; t < t1; ++t) {
+      const __m512 v0 = widen16(vb + t * D), v1 = widen16(vb + t * D + 16);
+#pragma GCC unroll 4
+      for (int g = 0; g < GT; ++g) {
+        const __m512 pg = _mm512_set1_ps(pb[g * p_stride + t]);
+        a[g][0] = _mm512_fmadd_ps(pg, v0, a[g][0]);
+        a[g][1] = _mm512_fmadd_ps(pg, v1, a[g][1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g) {
+    _mm512_storeu_ps(acc + g * acc_stride, a[g][0]);
+    _mm512_storeu_ps(acc + g * acc_stride + 16, a[g][1]);
+  }
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 struct Scratch {
   std::vector<float> q, acc, m, l, s;
 };
@@ -162,7 +230,8 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
   for (int64_t x = 0; x < nq; ++x)
     for (int64_t d = 0; d < D; d += 8) store8(w.q.data() + x * D + d, load8(q + x * D + d) * scale);
   const int64_t b_end = (len + bs - 1) / bs;
-  const int64_t steps = nh * (G * span / 8 + (G + 1) / 2 * D / 32);  // pf.step() per chunk
+  const int64_t tiles = kBf16Dot && std::is_same_v<T, c10::BFloat16> ? (G + 3) / 4 : (G + 1) / 2;
+  const int64_t steps = nh * (G * span / 8 + tiles * D / 32);  // pf.step() per chunk
   float* s = w.s.data();
   Prefetcher pf;
   pf.bytes = nh * run * static_cast<int64_t>(sizeof(T));
@@ -191,6 +260,13 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
         float* sg = s + g * span;
         for (int64_t j = lo8; j < hi8; j += 8) {
           pf.step();
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+          if constexpr (kBf16Dot && std::is_same_v<T, c10::BFloat16>) {
+            store8(sg + j, scores8_bf16(q + (x0 + g) * D, kblk[j / bs] + (j % bs) * D, D) *
+                               keel::splat8(scale));
+            continue;
+          }
+#endif
           store8(sg + j, scores8(w.q.data() + (x0 + g) * D, kblk[j / bs] + (j % bs) * D, D));
         }
         for (int64_t j = lo8; j < lo; ++j) sg[j] = ninf;
@@ -220,6 +296,22 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
         }
       }
       float* a = w.acc.data() + x0 * D;
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+      if constexpr (kBf16Dot && std::is_same_v<T, c10::BFloat16>) {
+        for (int64_t g = 0; g < G; g += 4)  // up to 4 query heads: 8 accumulators
+          for (int64_t d = 0; d < D; d += 32) {
+            pf.step();
+            float* ag = a + g * D + d;
+            switch (std::min<int64_t>(G - g, 4)) {
+              case 4: values_tile_bf16<4>(s + g * span, span, vblk, bs, D, d, lo, hi, ag, D); break;
+              case 3: values_tile_bf16<3>(s + g * span, span, vblk, bs, D, d, lo, hi, ag, D); break;
+              case 2: values_tile_bf16<2>(s + g * span, span, vblk, bs, D, d, lo, hi, ag, D); break;
+              default: values_tile_bf16<1>(s + g * span, span, vblk, bs, D, d, lo, hi, ag, D);
+            }
+          }
+        continue;
+      }
+#endif
       for (int64_t g = 0; g < G; g += 2)
         for (int64_t d = 0; d < D; d += 32) {
           pf.step();

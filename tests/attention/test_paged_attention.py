@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import time
+
 import pytest
 import torch
 
@@ -99,6 +101,9 @@ def test_long_chunks_go_one_by_one(monkeypatch, prefill_kernel, window, dtype, t
     kernel, which never sees a long chunk's token."""
     monkeypatch.setattr(torch_paged, "CPU_KERNEL_MAX_QUERY_LEN", 8)
     monkeypatch.setattr(torch_paged, "_PREFILL_KERNEL", prefill_kernel)
+    # Where the CPU has AMX, bfloat16 chunks go to whichever of the kernel and SDPA measures
+    # faster (test_prefill_kernel_or_sdpa_by_measuring); here the kernel is taken.
+    monkeypatch.setattr(torch_paged, "prefill_kernel_beats_sdpa", lambda *a: True)
     real = get_cpu_ops()
     seen, chunks = [], []
 
@@ -122,6 +127,32 @@ def test_long_chunks_go_one_by_one(monkeypatch, prefill_kernel, window, dtype, t
     # Each long chunk once per call, with every key it sees (head size 40: SDPA).
     expect = [(9, 9), (12, 30)] if prefill_kernel and head_dim == 64 else []
     assert chunks == expect
+
+
+def test_prefill_kernel_or_sdpa_by_measuring(monkeypatch):
+    """float32, or a CPU without AMX: keel's prefill kernel, unmeasured. bfloat16 on a CPU
+    with AMX: the faster of the kernel and SDPA, timed once per shape."""
+
+    class Kernel:
+        def __init__(self, seconds: float) -> None:
+            self.seconds, self.calls = seconds, 0
+
+        def prefill_attention(self, *args) -> None:
+            self.calls += 1
+            time.sleep(self.seconds)
+
+    monkeypatch.setattr(torch_paged, "_prefill_kernel_wins", {})
+    slow, fast = Kernel(0.05), Kernel(0.0)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert torch_paged.prefill_kernel_beats_sdpa(slow, torch.bfloat16, 9, 3, 64)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert torch_paged.prefill_kernel_beats_sdpa(slow, torch.float32, 9, 3, 64)
+    assert slow.calls == 0
+    assert not torch_paged.prefill_kernel_beats_sdpa(slow, torch.bfloat16, 9, 3, 64)
+    assert torch_paged.prefill_kernel_beats_sdpa(fast, torch.bfloat16, 8, 2, 64)
+    calls = slow.calls
+    assert not torch_paged.prefill_kernel_beats_sdpa(slow, torch.bfloat16, 9, 3, 64)
+    assert slow.calls == calls > 0  # measured once per shape
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])

@@ -231,6 +231,45 @@ def paged_attention(
     return out.to(query.dtype)
 
 
+_prefill_kernel_wins: dict[tuple, bool] = {}  # (dtype, H, Hkv, D) -> measured once per process
+
+
+def prefill_kernel_beats_sdpa(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                              head_dim: int) -> bool:
+    """Whether keel's prefill kernel or torch's SDPA runs a long causal chunk faster here. In
+    float32, and on CPUs without AMX, the kernel (~1.1-2x SDPA, BENCHMARKS.md fifth round) is
+    taken without measuring. Where the CPU has AMX tiles, SDPA's bfloat16 / float16 GEMMs run
+    on them (2.5x the kernel on a 600-token chunk, seventeenth round): both are timed once per
+    shape on a 512-token chunk and the faster kept."""
+    if dtype == torch.float32 or not torch.cpu._is_amx_tile_supported():
+        return True
+    key = (dtype, num_heads, num_kv_heads, head_dim)
+    wins = _prefill_kernel_wins.get(key)
+    if wins is None:
+        import time
+
+        n = 512
+        q = torch.randn(n, num_heads, head_dim).to(dtype)
+        k, v = (torch.randn(n, num_kv_heads, head_dim).to(dtype) for _ in range(2))
+        out = q.new_empty(n, num_heads * head_dim)
+        qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+
+        def best(fn) -> float:
+            fn()
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        kernel = best(lambda: ops.prefill_attention(q, k, v, out, 1.0, 0))
+        sdpa = best(lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, enable_gqa=num_heads != num_kv_heads))
+        wins = _prefill_kernel_wins[key] = kernel <= sdpa
+    return wins
+
+
 def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetadata,
                      scale: float, sliding_window: int | None) -> torch.Tensor:
     """CPU, a pass with long prompt chunks: the kernel for every other request's tokens, and
@@ -249,7 +288,8 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
     kernel = (_PREFILL_KERNEL and query.dtype == kv_cache.dtype
               and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
               and head_dim % 16 == 0 and num_heads // num_kv_heads <= 16
-              and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value)))
+              and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value))
+              and prefill_kernel_beats_sdpa(ops, query.dtype, num_heads, num_kv_heads, head_dim))
     for req, start, q_len, seq_len in meta.long_chunks:
         context = seq_len - q_len
         if context == 0:  # a whole prompt: its keys are this pass's own

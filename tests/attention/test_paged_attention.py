@@ -4,7 +4,6 @@ SDPA), and keel's compiled CPU kernel, which takes decode rows and short prompt 
 from __future__ import annotations
 
 import math
-
 import time
 
 import pytest

@@ -173,12 +173,14 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
       const T* u = g + inter;
       T* o = op + r * inter;
       int64_t i = 0;
+#ifndef __AVX512F__  // with AVX-512 the 16-lane loop below is native and ~1.5x faster
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
         for (; i + 8 <= inter; i += 8) {  // 8 lanes: native on AVX2 (see vec.h)
           keel::store8(o + i, keel::round_to8<T>(silu8(keel::load8(g + i))) *
                                   keel::load8(u + i));
         }
       }
+#endif
       for (; i + 16 <= inter; i += 16) {
         const v16 gv = load16(g + i);
         const v16 ax = gv < 0 ? -gv : gv;

@@ -39,6 +39,7 @@ inline int64_t grain_rows(int64_t row_elems) {  // ~16k elements per task
 // y = x * rsqrt(mean(x^2) + eps) rounded to T, then weight * y rounded to T.
 template <typename T>
 inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+#ifndef __AVX512F__  // with AVX-512 the 16-lane code below is native (and gives these bits)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
     // 8-lane vectors (see vec.h), summed in the 16-lane order below: the same bits.
     keel::v8 lo = {}, hi = {};
@@ -59,6 +60,7 @@ inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
                               static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * r)));
     return;
   }
+#endif
   v16 acc = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -97,9 +99,11 @@ void fused_add_rms_norm_kernel(at::Tensor& x, at::Tensor& res, const at::Tensor&
       T* xr = xp + r * n;
       T* rr = rp + r * n;
       int64_t i = 0;
+#ifndef __AVX512F__
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
         for (; i + 8 <= n; i += 8) keel::store8(rr + i, keel::load8(xr + i) + keel::load8(rr + i));
       }
+#endif
       for (; i + 16 <= n; i += 16) store16(rr + i, load16(xr + i) + load16(rr + i));
       for (; i < n; ++i)
         rr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));

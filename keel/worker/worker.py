@@ -21,7 +21,13 @@ from keel.distributed import (
     send_tensor_dict,
 )
 from keel.outputs import IntermediateTensors, ModelRunnerOutput
-from keel.utils import available_memory_bytes, configure_threads, keep_freed_memory
+from keel.utils import (
+    anonymous_regions,
+    available_memory_bytes,
+    configure_threads,
+    keep_freed_memory,
+    weights_on_huge_pages,
+)
 from keel.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -66,7 +72,12 @@ class Worker:
         return self.rank
 
     def load_model(self) -> None:
+        before = anonymous_regions() if self.device.type == "cpu" else None
         self.model_runner.load_model()
+        if before is not None:
+            advised = weights_on_huge_pages(before)
+            if advised:
+                logger.info("Weights on huge pages: %.0f MiB advised.", advised / 2**20)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit the memory budget (capped at what max_num_seqs requests of

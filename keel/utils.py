@@ -151,7 +151,8 @@ def weights_on_huge_pages(before: dict[int, int]) -> int:
     bytes advised; 0 where off, not Linux, or nothing qualifies. On by default where the CPU
     has AMX (the machine kind it was measured faster on; on an AVX2 EPYC huge pages for the
     weights made no difference, fifth round), `KEEL_HUGE_PAGES=1` / `0` turns it on / off
-    elsewhere. The collapse costs ~0.9 s of start-up for the default model's 350 MiB."""
+    elsewhere. The collapse costs ~0.9 s of start-up for the default model's 350 MiB in
+    bfloat16; the worker calls this for dense (not quantized) weights only."""
     from keel.config import cpu_has_amx_bfloat16
 
     mode = os.environ.get("KEEL_HUGE_PAGES", "auto")

@@ -129,8 +129,8 @@ _HUGE = 2 << 20
 
 
 def anonymous_regions() -> dict[int, int]:
-    """start -> end of this process's private writable anonymous mappings (malloc's heap and
-    its mmap'd chunks); empty where /proc/self/maps cannot be read."""
+    """start -> end of this process's private writable anonymous mappings (malloc's heap, its
+    mmap'd chunks, thread stacks); empty where /proc/self/maps cannot be read."""
     regions: dict[int, int] = {}
     try:
         with open("/proc/self/maps") as f:
@@ -170,7 +170,8 @@ def weights_on_huge_pages(before: dict[int, int]) -> int:
     for start, end in anonymous_regions().items():
         if before.get(start) == end:
             continue  # there before the load, unchanged
-        lo = (max(start, before.get(start, start)) + _HUGE - 1) // _HUGE * _HUGE
+        grown_from = before.get(start, start)  # a region that grew: only its new part
+        lo = (grown_from + _HUGE - 1) // _HUGE * _HUGE
         hi = end // _HUGE * _HUGE
         if hi <= lo:
             continue

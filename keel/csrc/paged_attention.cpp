@@ -142,11 +142,16 @@ inline void values_tile(const float* p, int64_t p_stride, const T* const* vblk, 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#define KEEL_BF16_DOT 1
+#else
+#define KEEL_BF16_DOT 0
+#endif
+
+#if KEEL_BF16_DOT
 // bfloat16 on a CPU with AVX512-BF16: scores by bfloat16 dot products (`vdpbf16ps`: the exact
 // products of pairs, summed in float32) and values widened 16 at a time. The general path
 // widens every key once per query head, 8 at a time: there a bfloat16 decode step was
 // compute-bound (11 GB/s of K/V read against float32's 18; BENCHMARKS.md, seventeenth round).
-constexpr bool kBf16Dot = true;
 
 inline __m512 widen16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -203,9 +208,8 @@ inline void values_tile_bf16(const float* p, int64_t p_stride, const c10::BFloat
     _mm512_storeu_ps(acc + g * acc_stride + 16, a[g][1]);
   }
 }
-#else
-constexpr bool kBf16Dot = false;
 #endif
+constexpr bool kBf16Dot = KEEL_BF16_DOT;
 
 struct Scratch {
   std::vector<float> q, acc, m, l, s;
@@ -227,10 +231,13 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
   w.m.assign(nq, ninf);
   w.l.assign(nq, 0.f);
   w.s.resize(G * span);
-  for (int64_t x = 0; x < nq; ++x)
-    for (int64_t d = 0; d < D; d += 8) store8(w.q.data() + x * D + d, load8(q + x * D + d) * scale);
+  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16>;  // scores from q
+  if constexpr (!bf16_dot)
+    for (int64_t x = 0; x < nq; ++x)
+      for (int64_t d = 0; d < D; d += 8)
+        store8(w.q.data() + x * D + d, load8(q + x * D + d) * scale);
   const int64_t b_end = (len + bs - 1) / bs;
-  const int64_t tiles = kBf16Dot && std::is_same_v<T, c10::BFloat16> ? (G + 3) / 4 : (G + 1) / 2;
+  const int64_t tiles = bf16_dot ? (G + 3) / 4 : (G + 1) / 2;
   const int64_t steps = nh * (G * span / 8 + tiles * D / 32);  // pf.step() per chunk
   float* s = w.s.data();
   Prefetcher pf;
@@ -260,8 +267,8 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
         float* sg = s + g * span;
         for (int64_t j = lo8; j < hi8; j += 8) {
           pf.step();
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
-          if constexpr (kBf16Dot && std::is_same_v<T, c10::BFloat16>) {
+#if KEEL_BF16_DOT
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
             store8(sg + j, scores8_bf16(q + (x0 + g) * D, kblk[j / bs] + (j % bs) * D, D) *
                                keel::splat8(scale));
             continue;
@@ -296,8 +303,8 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
         }
       }
       float* a = w.acc.data() + x0 * D;
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
-      if constexpr (kBf16Dot && std::is_same_v<T, c10::BFloat16>) {
+#if KEEL_BF16_DOT
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
         for (int64_t g = 0; g < G; g += 4)  // up to 4 query heads: 8 accumulators
           for (int64_t d = 0; d < D; d += 32) {
             pf.step();

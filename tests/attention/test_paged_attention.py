@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from keel import config
 from keel.attention.backends import torch_paged
 from keel.attention.backends.torch_paged import build_attention_metadata, paged_attention
 from keel.cpu_ops import get_cpu_ops
@@ -142,9 +143,9 @@ def test_prefill_kernel_or_sdpa_by_measuring(monkeypatch):
 
     monkeypatch.setattr(torch_paged, "_prefill_kernel_wins", {})
     slow, fast = Kernel(0.05), Kernel(0.0)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: False)
     assert torch_paged.prefill_kernel_beats_sdpa(slow, torch.bfloat16, 9, 3, 64)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: True)
     assert torch_paged.prefill_kernel_beats_sdpa(slow, torch.float32, 9, 3, 64)
     assert slow.calls == 0
     assert not torch_paged.prefill_kernel_beats_sdpa(slow, torch.bfloat16, 9, 3, 64)

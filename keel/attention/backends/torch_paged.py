@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from keel import config
 from keel.cpu_ops import get_cpu_ops
 
 # A long prompt chunk goes to keel's causal prefill kernel (keel/csrc/prefill_attention.cpp): a
@@ -241,7 +242,7 @@ def prefill_kernel_beats_sdpa(ops, dtype: torch.dtype, num_heads: int, num_kv_he
     taken without measuring. Where the CPU has AMX tiles, SDPA's bfloat16 / float16 GEMMs run
     on them (2.5x the kernel on a 600-token chunk, seventeenth round): both are timed once per
     shape on a 512-token chunk and the faster kept."""
-    if dtype == torch.float32 or not torch.cpu._is_amx_tile_supported():
+    if dtype == torch.float32 or not config.cpu_has_amx_bfloat16():
         return True
     key = (dtype, num_heads, num_kv_heads, head_dim)
     wins = _prefill_kernel_wins.get(key)

@@ -6,6 +6,7 @@ Every check here is about something a user typed (a flag, a model folder), so fa
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -36,8 +37,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+@functools.cache
 def cpu_has_amx_bfloat16() -> bool:
-    """Whether this CPU has AMX tiles and oneDNN computes bfloat16 GEMMs on them."""
+    """Whether this CPU has AMX tiles and oneDNN computes bfloat16 GEMMs on them (asked once:
+    the attention backend asks on every pass with long prompt chunks)."""
     return bool(torch.cpu._is_amx_tile_supported()
                 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 

@@ -179,3 +179,18 @@ def weights_on_huge_pages(before: dict[int, int]) -> int:
             madvise(lo, hi - lo, _MADV_COLLAPSE)  # best effort (Linux >= 6.1)
             advised += hi - lo
     return advised
+
+
+def best_seconds(fn, repeats: int, warmup: bool = True) -> float:
+    """The fastest of `repeats` timed calls of fn() (after one untimed call unless `warmup` is
+    False): how keel times a kernel choice at load."""
+    import time
+
+    if warmup:
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

@@ -43,7 +43,7 @@ from keel.model_executor.layers.quantization import (
     quantized_linear,
 )
 from keel.model_executor.layers.vocab_embedding import ParallelLMHead
-from keel.utils import replace_atomically
+from keel.utils import best_seconds, replace_atomically
 
 logger = logging.getLogger(__name__)
 METHODS = ("gguf", "int8", "int4", "w8a8")
@@ -292,18 +292,15 @@ class _RowsCache:
 
 def _sweep(layers: list[nn.Module], x: torch.Tensor, quantized: bool) -> float:
     """Seconds for x through every layer, best of two (the first one warms up)."""
-    import time
 
-    best = float("inf")
-    for _ in range(2):
-        t0 = time.perf_counter()
+    def sweep() -> None:
         for m in layers:
             if quantized:
                 quantized_linear(x, m.quant)
             else:
                 cpu_gemm(m, x, None)
-        best = min(best, time.perf_counter() - t0)
-    return best
+
+    return best_seconds(sweep, 2, warmup=False)
 
 
 def _in_features(q) -> int:

@@ -247,7 +247,7 @@ def prefill_kernel_beats_sdpa(ops, dtype: torch.dtype, num_heads: int, num_kv_he
     key = (dtype, num_heads, num_kv_heads, head_dim)
     wins = _prefill_kernel_wins.get(key)
     if wins is None:
-        import time
+        from keel.utils import best_seconds
 
         n = 512
         q = torch.randn(n, num_heads, head_dim).to(dtype)
@@ -255,18 +255,9 @@ def prefill_kernel_beats_sdpa(ops, dtype: torch.dtype, num_heads: int, num_kv_he
         out = q.new_empty(n, num_heads * head_dim)
         qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
 
-        def best(fn) -> float:
-            fn()
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
-        kernel = best(lambda: ops.prefill_attention(q, k, v, out, 1.0, 0))
-        sdpa = best(lambda: F.scaled_dot_product_attention(
-            qt, kt, vt, is_causal=True, enable_gqa=num_heads != num_kv_heads))
+        kernel = best_seconds(lambda: ops.prefill_attention(q, k, v, out, 1.0, 0), 5)
+        sdpa = best_seconds(lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, enable_gqa=num_heads != num_kv_heads), 5)
         wins = _prefill_kernel_wins[key] = kernel <= sdpa
     return wins
 

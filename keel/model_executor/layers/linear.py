@@ -144,7 +144,7 @@ def keel_gemm_chosen() -> bool:
 def _time_packed_gemm(dtype: torch.dtype, rows: int = 64, n: int = 1536, k: int = 576,
                       kernel: str = "onednn") -> float:
     """Best of 10 packed GEMMs at a decode-sized shape (the default model's gate_up)."""
-    import time
+    from keel.utils import best_seconds
 
     w = torch.randn(n, k).to(dtype)
     x = torch.randn(rows, k).to(dtype)
@@ -154,13 +154,7 @@ def _time_packed_gemm(dtype: torch.dtype, rows: int = 64, n: int = 1536, k: int 
     else:
         packed = pack_weight(w)
         fn = lambda: packed_linear(x, packed)
-    fn()
-    best = float("inf")
-    for _ in range(10):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_seconds(fn, 10)
 
 
 def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True) -> None:

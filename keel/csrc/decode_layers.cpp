@@ -57,16 +57,19 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
   }
   const int64_t rows = x.size(0);
   if (max_rows > 0 && rows <= max_rows) {  // quantized_linear: 4 rows a call, then bias
+    // keel's kernels take and give float32; a bfloat16 pass is converted in and out.
+    const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat).contiguous();
     at::Tensor out;
     if (rows <= kKernelRows) {
-      out = quant_linear(x, q, d, m, act_parts);
+      out = quant_linear(xf, q, d, m, act_parts);
     } else {
       std::vector<at::Tensor> parts;
       for (int64_t i = 0; i < rows; i += kKernelRows)
-        parts.push_back(quant_linear(x.narrow(0, i, std::min(kKernelRows, rows - i)), q, d, m,
-                                     act_parts));
+        parts.push_back(quant_linear(xf.narrow(0, i, std::min(kKernelRows, rows - i)), q, d,
+                                     m, act_parts));
       out = at::cat(parts);
     }
+    if (out.scalar_type() != x.scalar_type()) out = out.to(x.scalar_type());
     return bias.defined() ? out.add_(bias) : out;
   }
   // A bfloat16 pass over keel's panels or oneDNN's upcast: in float32, rounded back once.

@@ -16,7 +16,8 @@ It is taken when all of these hold, else the Python layers run:
 - the model: keel's compiled kernels, tensor parallel size 1, float32 or bfloat16 (a
   bfloat16 layer's GEMM computed in float32 and rounded back, as the Python layer does), a
   SiLU MLP, every quantized linear in keel's own form (int4 groups of 32 with K a multiple
-  of 32, or int8 per row; float32 models only), KV cache bound in the model's dtype;
+  of 32, int8 per row, or w8a8; a bfloat16 pass converted to float32 and back around keel's
+  quantized kernels, as `quantized_linear` does), KV cache bound in the model's dtype;
 - the pass: every row is one decode token (no prompt chunk, no draft tokens).
 `KEEL_FUSED_DECODE=0` turns it off.
 """
@@ -46,8 +47,6 @@ def _plan_linear(ops: Any, linear: Any, dtype: torch.dtype) -> Any:
     """The layer as a `PlanLinear`, or None where the plan cannot compute it as the Python
     layer does."""
     w = linear.quant
-    if w is not None and dtype != torch.float32:
-        return None  # quantized layers of a bfloat16 model: Python only
     q = d = m = None
     max_rows = 0
     if isinstance(w, W8A8Weight):

@@ -60,6 +60,10 @@ void add_layer(DecodePlan& plan, at::Tensor input_norm, at::Tensor post_norm, do
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention, one query token per row");
   m.def("prefill_attention", &prefill_attention, "causal attention of one long prompt chunk");
+  m.def("prefill_attention_amx", &prefill_attention_amx,
+        "causal attention of one long bfloat16 prompt chunk on AMX tiles");
+  m.def("prefill_attention_amx_available", &prefill_attention_amx_available,
+        "whether this build and CPU run prefill_attention_amx");
   m.def("write_kv_cache", &write_kv_cache, "this pass's K/V rows into their cache slots");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("fused_add_rms_norm_", &fused_add_rms_norm_, "residual += x; x = RMSNorm(residual)");

@@ -12,6 +12,11 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
 // Causal attention of one prompt chunk (query [L, H, D]) over its S >= L keys, into out.
 void prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor out,
                        double scale, int64_t sliding_window);
+// The same for bfloat16 on AMX tiles (prefill_attention_amx.cpp), where this build and CPU
+// have them (prefill_attention_amx_available()); head size a multiple of 32.
+void prefill_attention_amx(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor out,
+                           double scale, int64_t sliding_window);
+bool prefill_attention_amx_available();
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
                     at::Tensor value_cache, at::Tensor slot_mapping);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);

@@ -94,17 +94,22 @@ def test_mixed_batch(monkeypatch, use_kernel, heads, kv_heads, head_dim, dtype, 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("head_dim", [64, 40])
-def test_long_chunks_go_one_by_one(monkeypatch, prefill_kernel, window, dtype, tol, head_dim):
+@pytest.mark.parametrize("amx", [False, True])
+def test_long_chunks_go_one_by_one(monkeypatch, prefill_kernel, window, dtype, tol, head_dim,
+                                   amx):
     """Past CPU_KERNEL_MAX_QUERY_LEN queries, a request's chunk goes alone to keel's prefill
     kernel (or SDPA: KEEL_PREFILL_ATTENTION=0, or a head size it does not take) - a whole
     prompt, and a chunk after context - while the other requests' tokens stay on the per-row
     kernel, which never sees a long chunk's token."""
     monkeypatch.setattr(torch_paged, "CPU_KERNEL_MAX_QUERY_LEN", 8)
     monkeypatch.setattr(torch_paged, "_PREFILL_KERNEL", prefill_kernel)
-    # Where the CPU has AMX, bfloat16 chunks go to whichever of the kernel and SDPA measures
-    # faster (test_prefill_kernel_or_sdpa_by_measuring); here the kernel is taken.
-    monkeypatch.setattr(torch_paged, "prefill_kernel_beats_sdpa", lambda *a: True)
+    # Where the CPU has AMX, bfloat16 chunks go to whichever of keel's kernels and SDPA
+    # measures faster (test_long_chunk_kernel_by_measuring); here the prefill kernel is
+    # taken, or (amx, where this CPU has the tiles) the AMX kernel for bfloat16.
     real = get_cpu_ops()
+    amx = amx and dtype == torch.bfloat16 and real.prefill_attention_amx_available()
+    name = "prefill_attention_amx" if amx else "prefill_attention"
+    monkeypatch.setattr(torch_paged, "long_chunk_kernel", lambda *a: name)
     seen, chunks = [], []
 
     class Kernel:
@@ -118,6 +123,10 @@ def test_long_chunks_go_one_by_one(monkeypatch, prefill_kernel, window, dtype, t
             chunks.append((query.shape[0], key.shape[0]))
             return real.prefill_attention(query, key, *args)
 
+        def prefill_attention_amx(self, query, key, *args):
+            chunks.append((query.shape[0], key.shape[0]))
+            return real.prefill_attention_amx(query, key, *args)
+
     monkeypatch.setattr(torch_paged, "get_cpu_ops", Kernel)
     # Request 0: a 9-token prompt; 1: 6 queries (kernel); 2, 3: decodes; 4: a 12-query chunk
     # after 18 tokens of context.
@@ -129,30 +138,46 @@ def test_long_chunks_go_one_by_one(monkeypatch, prefill_kernel, window, dtype, t
     assert chunks == expect
 
 
-def test_prefill_kernel_or_sdpa_by_measuring(monkeypatch):
+def test_long_chunk_kernel_by_measuring(monkeypatch):
     """float32, or a CPU without AMX: keel's prefill kernel, unmeasured. bfloat16 on a CPU
-    with AMX: the faster of the kernel and SDPA, timed once per shape."""
+    with AMX: the faster of keel's kernel (the AMX one where it is built and the head size
+    is a multiple of 32) and SDPA, timed once per shape."""
 
     class Kernel:
-        def __init__(self, seconds: float) -> None:
-            self.seconds, self.calls = seconds, 0
+        def __init__(self, seconds: float, amx: bool = False) -> None:
+            self.seconds, self.calls, self.amx = seconds, [], amx
 
-        def prefill_attention(self, *args) -> None:
-            self.calls += 1
+        def prefill_attention_amx_available(self) -> bool:
+            return self.amx
+
+        def _run(self, name):
+            self.calls.append(name)
             time.sleep(self.seconds)
 
-    monkeypatch.setattr(torch_paged, "_prefill_kernel_wins", {})
+        def prefill_attention(self, *args) -> None:
+            self._run("prefill_attention")
+
+        def prefill_attention_amx(self, *args) -> None:
+            self._run("prefill_attention_amx")
+
+    monkeypatch.setattr(torch_paged, "_long_chunk_kernels", {})
     slow, fast = Kernel(0.05), Kernel(0.0)
+    pick = torch_paged.long_chunk_kernel
     monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: False)
-    assert torch_paged.prefill_kernel_beats_sdpa(slow, torch.bfloat16, 9, 3, 64)
+    assert pick(slow, torch.bfloat16, 9, 3, 64) == "prefill_attention"
     monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: True)
-    assert torch_paged.prefill_kernel_beats_sdpa(slow, torch.float32, 9, 3, 64)
-    assert slow.calls == 0
-    assert not torch_paged.prefill_kernel_beats_sdpa(slow, torch.bfloat16, 9, 3, 64)
-    assert torch_paged.prefill_kernel_beats_sdpa(fast, torch.bfloat16, 8, 2, 64)
-    calls = slow.calls
-    assert not torch_paged.prefill_kernel_beats_sdpa(slow, torch.bfloat16, 9, 3, 64)
-    assert slow.calls == calls > 0  # measured once per shape
+    assert pick(slow, torch.float32, 9, 3, 64) == "prefill_attention"
+    assert slow.calls == []
+    assert pick(slow, torch.bfloat16, 9, 3, 64) is None  # SDPA
+    assert pick(fast, torch.bfloat16, 8, 2, 64) == "prefill_attention"
+    calls = len(slow.calls)
+    assert pick(slow, torch.bfloat16, 9, 3, 64) is None
+    assert len(slow.calls) == calls > 0  # measured once per shape
+    amx = Kernel(0.0, amx=True)
+    assert pick(amx, torch.bfloat16, 6, 2, 64) == "prefill_attention_amx"
+    assert pick(amx, torch.bfloat16, 6, 2, 80) == "prefill_attention"  # 80 % 32 != 0
+    assert pick(amx, torch.float16, 6, 2, 128) == "prefill_attention"  # bfloat16 only
+    assert set(amx.calls) == {"prefill_attention_amx", "prefill_attention"}
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])

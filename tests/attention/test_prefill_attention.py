@@ -74,3 +74,79 @@ def test_bad_arguments_raise(ops, bad, message):
     out = torch.empty(20, 9 * 64)
     with pytest.raises(RuntimeError, match=message):
         ops.prefill_attention(*bad(q, k, v, out), 0.125, 0)
+
+
+# keel/csrc/prefill_attention_amx.cpp: the same attention for bfloat16 on AMX tiles. Where the
+# build or CPU has no tiles, the op says so and raises (each test checks that instead).
+def run_amx(ops, *args) -> bool:
+    """The AMX op on args; False (after checking its error) where there are no tiles."""
+    if not ops.prefill_attention_amx_available():
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            ops.prefill_attention_amx(*args)
+        return False
+    ops.prefill_attention_amx(*args)
+    return True
+
+AMX_CASES = [
+    (1, 1, 9, 3, 64, 0),
+    (70, 70, 9, 3, 64, 0),  # rows not a multiple of the 16-row tile, keys not of 32
+    (600, 600, 9, 3, 64, 0),
+    (37, 165, 9, 3, 64, 0),  # a chunk after context
+    (130, 130, 8, 2, 128, 0),  # head size 128: the output accumulated outside the tiles
+    (40, 300, 6, 2, 96, 0),
+    (200, 500, 9, 3, 64, 64),  # sliding window: early key blocks skipped
+    (129, 129, 4, 4, 32, 17),
+    (50, 50, 16, 1, 64, 0),  # 16 query heads per KV head
+    (33, 33, 24, 1, 64, 0),  # more than 16 (the AVX kernel's limit)
+]
+
+
+@pytest.mark.parametrize("L, S, heads, kv_heads, head_dim, window", AMX_CASES)
+def test_amx_matches_dense_attention(ops, L, S, heads, kv_heads, head_dim, window):
+    q, k, v = qkv_views(L, S, heads, kv_heads, head_dim, torch.bfloat16)
+    out = torch.full((L, heads * head_dim), float("nan"), dtype=torch.bfloat16)
+    scale = head_dim**-0.5
+    if not run_amx(ops, q, k, v, out, scale, window):
+        return
+    ref = dense_reference([q], [k], [v], [L], scale, window or None)
+    assert torch.isfinite(out).all()
+    # P is rounded to bfloat16 before P V (as torch's flash attention in bfloat16 does).
+    assert (out.float() - ref).abs().max().item() < 3e-2
+
+
+def test_amx_rescales_a_growing_maximum(ops):
+    """Scores that grow along the keys raise each row's maximum many times past the kernel's
+    lazy margin: the sums kept so far are scaled down each time, and nothing overflows."""
+    L, S, D = 64, 256, 64
+    q = torch.ones(L, 2, D, dtype=torch.bfloat16)
+    ramp = torch.linspace(0, 6, S)[:, None, None]  # score of key j grows with j (x 8 scaled)
+    k = (ramp * torch.ones(S, 1, D)).bfloat16()
+    v = torch.randn(S, 1, D).bfloat16()
+    out = torch.empty(L, 2 * D, dtype=torch.bfloat16)
+    if not run_amx(ops, q, k, v, out, D**-0.5, 0):
+        return
+    ref = dense_reference([q], [k], [v], [L], D**-0.5, None)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max().item() < 3e-2
+
+
+def test_amx_writes_only_its_rows(ops):
+    q, k, v = qkv_views(40, 40, 9, 3, 64, torch.bfloat16)
+    full = torch.zeros(60, 9 * 64, dtype=torch.bfloat16)
+    if not run_amx(ops, q, k, v, full[10:50], 0.125, 0):
+        return
+    assert full[:10].eq(0).all() and full[50:].eq(0).all()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda q, k, v, o: (q.float(), k.float(), v.float(), o.float()), "bfloat16 only"),
+    (lambda q, k, v, o: (q[..., :48], k[..., :48], v[..., :48], o[:, :432]), "dense"),
+    (lambda q, k, v, o: (q, k[:10], v[:10], o), "at least its own keys"),
+])
+def test_amx_bad_arguments_raise(ops, bad, message):
+    q, k, v = qkv_views(20, 20, 9, 3, 64, torch.bfloat16)
+    out = torch.empty(20, 9 * 64, dtype=torch.bfloat16)
+    if not ops.prefill_attention_amx_available():
+        message = "no AMX-BF16 tiles"
+    with pytest.raises(RuntimeError, match=message):
+        ops.prefill_attention_amx(*bad(q, k, v, out), 0.125, 0)

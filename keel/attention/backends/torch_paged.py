@@ -232,34 +232,40 @@ def paged_attention(
     return out.to(query.dtype)
 
 
-_prefill_kernel_wins: dict[tuple, bool] = {}  # (dtype, H, Hkv, D) -> measured once per process
+_long_chunk_kernels: dict[tuple, str | None] = {}  # (dtype, H, Hkv, D) -> measured once
 
 
-def prefill_kernel_beats_sdpa(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                              head_dim: int) -> bool:
-    """Whether keel's prefill kernel or torch's SDPA runs a long causal chunk faster here. In
-    float32, and on CPUs without AMX, the kernel (~1.1-2x SDPA, BENCHMARKS.md fifth round) is
-    taken without measuring. Where the CPU has AMX tiles, SDPA's bfloat16 / float16 GEMMs run
-    on them (2.5x the kernel on a 600-token chunk, seventeenth round): both are timed once per
-    shape on a 512-token chunk and the faster kept."""
+def long_chunk_kernel(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> str | None:
+    """Which of keel's kernels runs a long causal chunk here (the name of its op), or None for
+    torch's SDPA. In float32, and on CPUs without AMX, keel's prefill kernel (~1.1-2x SDPA,
+    BENCHMARKS.md fifth round), unmeasured. Where the CPU has AMX tiles, SDPA's bfloat16 /
+    float16 GEMMs run on them (2.5x the prefill kernel on a 600-token chunk, seventeenth
+    round), and so does keel's AMX kernel (bfloat16, head size a multiple of 32; ~2x SDPA,
+    eighteenth round): keel's kernel for the shape and SDPA are timed once per shape on a
+    512-token chunk, and the faster kept."""
     if dtype == torch.float32 or not config.cpu_has_amx_bfloat16():
-        return True
+        return "prefill_attention"
     key = (dtype, num_heads, num_kv_heads, head_dim)
-    wins = _prefill_kernel_wins.get(key)
-    if wins is None:
-        from keel.utils import best_seconds
+    if key in _long_chunk_kernels:
+        return _long_chunk_kernels[key]
+    from keel.utils import best_seconds
 
-        n = 512
-        q = torch.randn(n, num_heads, head_dim).to(dtype)
-        k, v = (torch.randn(n, num_kv_heads, head_dim).to(dtype) for _ in range(2))
-        out = q.new_empty(n, num_heads * head_dim)
-        qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-
-        kernel = best_seconds(lambda: ops.prefill_attention(q, k, v, out, 1.0, 0), 5)
-        sdpa = best_seconds(lambda: F.scaled_dot_product_attention(
-            qt, kt, vt, is_causal=True, enable_gqa=num_heads != num_kv_heads), 5)
-        wins = _prefill_kernel_wins[key] = kernel <= sdpa
-    return wins
+    name = "prefill_attention"
+    if (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
+            and getattr(ops, "prefill_attention_amx_available", lambda: False)()):
+        name = "prefill_attention_amx"
+    fn = getattr(ops, name)
+    n = 512
+    q = torch.randn(n, num_heads, head_dim).to(dtype)
+    k, v = (torch.randn(n, num_kv_heads, head_dim).to(dtype) for _ in range(2))
+    out = q.new_empty(n, num_heads * head_dim)
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    kernel = best_seconds(lambda: fn(q, k, v, out, 1.0, 0), 5)
+    sdpa = best_seconds(lambda: F.scaled_dot_product_attention(
+        qt, kt, vt, is_causal=True, enable_gqa=num_heads != num_kv_heads), 5)
+    _long_chunk_kernels[key] = name if kernel <= sdpa else None
+    return _long_chunk_kernels[key]
 
 
 def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetadata,
@@ -277,11 +283,16 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
         )
         out.index_copy_(0, idx, rows.view(len(idx), -1))
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
-    kernel = (_PREFILL_KERNEL and query.dtype == kv_cache.dtype
-              and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-              and head_dim % 16 == 0 and num_heads // num_kv_heads <= 16
-              and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value))
-              and prefill_kernel_beats_sdpa(ops, query.dtype, num_heads, num_kv_heads, head_dim))
+    kernel = None
+    if (_PREFILL_KERNEL and query.dtype == kv_cache.dtype
+            and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and head_dim % 16 == 0
+            and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value))):
+        name = long_chunk_kernel(ops, query.dtype, num_heads, num_kv_heads, head_dim)
+        # keel's prefill kernel takes at most 16 query heads per KV head; the AMX one any.
+        if name == "prefill_attention_amx" or (
+                name == "prefill_attention" and num_heads // num_kv_heads <= 16):
+            kernel = getattr(ops, name)
     for req, start, q_len, seq_len in meta.long_chunks:
         context = seq_len - q_len
         if context == 0:  # a whole prompt: its keys are this pass's own
@@ -293,9 +304,9 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
             v = kv_cache[1].index_select(0, blocks).transpose(1, 2)
             k = k.reshape(-1, num_kv_heads, head_dim)[:seq_len]
             v = v.reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        if kernel:  # ~2x SDPA's speed at 600 tokens (BENCHMARKS.md)
-            ops.prefill_attention(query[start : start + q_len], k, v,
-                                  out[start : start + q_len], scale, sliding_window or 0)
+        if kernel is not None:  # ~2x SDPA's speed at 600 tokens (BENCHMARKS.md)
+            kernel(query[start : start + q_len], k, v, out[start : start + q_len], scale,
+                   sliding_window or 0)
             continue
         q = query[start : start + q_len].transpose(0, 1).unsqueeze(0).to(k.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)

@@ -94,6 +94,9 @@ def main() -> None:
         for _ in range(n):
             core.step()
         step = (time.perf_counter() - t0) / n
+    import os
+    if os.environ.get("KEEL_PROFILE_TABLE"):
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     gemm = sum(e.self_cpu_time_total for e in prof.key_averages()
                if "linear_pointwise" in e.key or e.key in ("aten::addmm", "aten::mm")) / n / 1e3
     ctx = sum(r.num_tokens for r in core.scheduler.running) / max(len(core.scheduler.running), 1)

@@ -133,8 +133,9 @@ def gemm_floor(model, rows: int, dtype) -> dict:
     best rate this machine reaches for each shape in a precision the model may be computed in
     without changing its weights: float32 for a float32 model; bfloat16 or float32 (exact
     upcast) for a bfloat16 one. Each shape: plain `F.linear`, oneDNN-packed and keel's own
-    GEMM (csrc/gemm.cpp; float32 over a float32 or bfloat16 weight), best of 20 each, with the
-    weight hot in cache."""
+    GEMMs (csrc/gemm.cpp: float32 over a float32 or bfloat16 weight; csrc/amx_gemm.cpp:
+    bfloat16 on AMX tiles, where the CPU has them), best of 20 each, with the weight hot in
+    cache."""
     import torch
 
     from keel.cpu_ops import get_cpu_ops
@@ -169,6 +170,10 @@ def gemm_floor(model, rows: int, dtype) -> dict:
             if ops is not None and ops.gemm_available():
                 panels, xf = ops.gemm_pack(w), x.float()
                 candidates.append(lambda p=panels, x=xf, n=n_out: ops.gemm(x, p, n))
+            if (ops is not None and dt == torch.bfloat16 and n_out % 16 == 0 and n_in % 32 == 0
+                    and hasattr(ops, "amx_gemm") and ops.amx_gemm_available()):
+                tiles = ops.amx_gemm_pack(w)
+                candidates.append(lambda p=tiles, x=x, n=n_out: ops.amx_gemm(x, p, n))
             for fn in candidates:
                 fn()
                 for _ in range(20):

@@ -13,8 +13,12 @@ PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
                        std::optional<at::Tensor> m, int64_t max_rows, int64_t act_parts,
                        std::optional<at::Tensor> packed, std::optional<at::Tensor> weight,
                        std::optional<at::Tensor> bias, pybind11::object w8a8,
-                       int64_t gemm_rows, bool float32_compute) {
+                       int64_t gemm_rows, bool float32_compute, std::optional<at::Tensor> amx,
+                       int64_t amx_rows, int64_t amx_n) {
   PlanLinear lin;
+  lin.amx = amx.value_or(at::Tensor());
+  lin.amx_rows = lin.amx.defined() ? amx_rows : 0;
+  lin.amx_n = amx_n;
   if (!w8a8.is_none()) lin.w8a8 = torch::jit::toIValue(w8a8, c10::AnyType::get());
   if (max_rows > 0) {
     TORCH_CHECK(q.has_value() && d.has_value() &&
@@ -62,6 +66,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "causal attention of one long prompt chunk");
   m.def("prefill_attention_amx", &prefill_attention_amx,
         "causal attention of one long bfloat16 prompt chunk on AMX tiles");
+  m.def("amx_gemm_pack", &amx_gemm_pack, "a bfloat16 weight [N, K] in amx_gemm's tile layout");
+  m.def("amx_gemm", &amx_gemm, "bfloat16 x @ W^T (+ bias) on AMX tiles",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("amx_gemm_available", &amx_gemm_available, "whether this build and CPU run amx_gemm");
   m.def("prefill_attention_amx_available", &prefill_attention_amx_available,
         "whether this build and CPU run prefill_attention_amx");
   m.def("write_kv_cache", &write_kv_cache, "this pass's K/V rows into their cache slots");
@@ -90,12 +98,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("m"), pybind11::arg("max_rows"), pybind11::arg("act_parts"),
            pybind11::arg("packed"), pybind11::arg("weight"), pybind11::arg("bias"),
            pybind11::arg("w8a8") = pybind11::none(), pybind11::arg("gemm_rows") = 0,
-           pybind11::arg("float32_compute") = false,
+           pybind11::arg("float32_compute") = false, pybind11::arg("amx") = pybind11::none(),
+           pybind11::arg("amx_rows") = 0, pybind11::arg("amx_n") = 0,
            "(q, d, m, max_rows, act_parts, packed, weight, bias, w8a8=None, gemm_rows=0, "
-           "float32_compute=False): the quantized form (used up to max_rows rows; 0: none), "
+           "float32_compute=False, amx=None, amx_rows=0, amx_n=0): the quantized form (used up to max_rows rows; 0: none), "
            "the packed weight (oneDNN's, or keel's gemm_pack panels of a weight with gemm_rows "
            "output rows; a bfloat16 pass over it computed in float32 where float32_compute or "
-           "gemm_rows) and the dense weight, or fbgemm's packed w8a8 weight");
+           "gemm_rows) and the dense weight, or fbgemm's packed w8a8 weight; bfloat16 passes "
+           "of up to amx_rows rows on amx_gemm over `amx` (amx_gemm_pack of an [amx_n, K] "
+           "weight)");
   pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a decode pass in one call")
       .def(pybind11::init<>())
       .def("add_layer", &add_layer, "one Llama-family decoder layer's weights and cache")

@@ -72,6 +72,9 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
     if (out.scalar_type() != x.scalar_type()) out = out.to(x.scalar_type());
     return bias.defined() ? out.add_(bias) : out;
   }
+  if (amx_rows > 0 && rows <= amx_rows && x.scalar_type() == at::kBFloat16)
+    return amx_gemm(x, amx, amx_n, bias.defined() ? std::optional<at::Tensor>(bias)
+                                                  : std::nullopt);
   // A bfloat16 pass over keel's panels or oneDNN's upcast: in float32, rounded back once.
   const bool upcast = (gemm_rows > 0 || float32_compute) && x.scalar_type() != at::kFloat;
   const at::Tensor xin = upcast ? x.to(at::kFloat) : x;

@@ -32,6 +32,10 @@ struct PlanLinear {
   // quantization="w8a8": fbgemm's packed int8 weight (a LinearPackedParams script object),
   // run as quantized_linear runs it, at every pass size; None otherwise.
   c10::IValue w8a8;
+  // bfloat16 passes of up to amx_rows rows: keel's AMX GEMM over `amx` (amx_gemm_pack of the
+  // [amx_n, K] weight), as layers/linear.py cpu_gemm takes it.
+  at::Tensor amx;
+  int64_t amx_rows = 0, amx_n = 0;
   at::Tensor operator()(const at::Tensor& x) const;
   // silu(gate) * up of a merged [gate; up] layer: in keel's GEMM epilogue where it applies.
   at::Tensor silu_mul(const at::Tensor& x) const;

@@ -49,3 +49,8 @@ at::Tensor gemm_silu(at::Tensor x, at::Tensor packed, int64_t n,
 // float32 (fused_ops.cpp): gemm_silu's epilogue.
 void silu_mul_f32(const float* g, const float* u, float* o, int64_t n);
 bool gemm_available();
+// bfloat16 x [M, K] @ W^T (+ bias) -> [M, N] bfloat16 on AMX tiles (amx_gemm.cpp), W packed
+// once by amx_gemm_pack; K % 32 == 0, N % 16 == 0.
+at::Tensor amx_gemm_pack(at::Tensor weight);
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias);
+bool amx_gemm_available();

@@ -33,6 +33,7 @@ import torch
 from keel.attention.forward_context import get_forward_context
 from keel.distributed import get_tensor_model_parallel_world_size
 from keel.model_executor.layers import quantization
+from keel.model_executor.layers.linear import AMX_GEMM_MAX_ROWS
 from keel.model_executor.layers.quantization import (
     ALL_ROWS,
     Int4Weight,
@@ -61,10 +62,13 @@ def _plan_linear(ops: Any, linear: Any, dtype: torch.dtype) -> Any:
             return None
         max_rows = w.max_rows if linear.has_dense() else ALL_ROWS
     weight = linear.weight if linear.weight.numel() else None
+    amx = linear.amx_weight if dtype == torch.bfloat16 else None
     return ops.PlanLinear(q, d, m, max_rows, quantization.ACTIVATION_PARTS,
                           linear.packed_weight, weight, linear.bias,
                           gemm_rows=linear.packed_rows if linear.packed_by == "keel" else 0,
-                          float32_compute=linear.packed_by == "onednn-upcast")
+                          float32_compute=linear.packed_by == "onednn-upcast", amx=amx,
+                          amx_rows=AMX_GEMM_MAX_ROWS if amx is not None else 0,
+                          amx_n=linear.packed_rows)
 
 
 class FusedDecode:

@@ -151,10 +151,71 @@ def _time_packed_gemm(dtype: torch.dtype, rows: int = 64, n: int = 1536, k: int 
     if kernel == "keel":  # called by keel_gemm_chosen(), which has found _keel_ops
         packed, x = _keel_ops.gemm_pack(w), x.float()
         fn = lambda: _keel_ops.gemm(x, packed, n)
+    elif kernel == "amx":  # called by amx_gemm_chosen(), likewise
+        packed = _keel_ops.amx_gemm_pack(w)
+        fn = lambda: _keel_ops.amx_gemm(x, packed, n)
     else:
         packed = pack_weight(w)
         fn = lambda: packed_linear(x, packed)
     return best_seconds(fn, 10)
+
+
+# bfloat16 passes of up to this many rows (decode steps) run on keel's AMX GEMM
+# (csrc/amx_gemm.cpp) where it is chosen (amx_gemm_chosen): at 64 rows it measured 1.3-1.8x
+# oneDNN's with the weights in cache and ~1.15x streaming them from memory; from 128 rows
+# oneDNN's brgemm is as fast or faster (3.3 TFLOP/s at 2048 rows against 1.4; eighteenth
+# round, BENCHMARKS.md), so the layer keeps oneDNN's packed weight for those.
+AMX_GEMM_MAX_ROWS = 64
+_amx_gemm_faster: bool | None = None
+_amx_bytes_left: int | None = None  # the copies' memory budget (see _amx_budget)
+
+
+def amx_gemm_chosen() -> bool:
+    """Whether bfloat16 decode-sized passes run on keel's AMX GEMM: built, with AMX tiles,
+    not turned off (KEEL_AMX_GEMM=0), and measured faster than oneDNN's at 64 rows (once per
+    process)."""
+    global _amx_gemm_faster, _keel_ops
+    if _amx_gemm_faster is None:
+        _amx_gemm_faster = False
+        if os.environ.get("KEEL_AMX_GEMM", "1") != "0" and _gemm_mode() != "torch" \
+                and _onednn_available():
+            from keel.cpu_ops import get_cpu_ops
+
+            ops = get_cpu_ops()
+            if ops is not None and hasattr(ops, "amx_gemm") and ops.amx_gemm_available():
+                _keel_ops = ops
+                amx = _time_packed_gemm(torch.bfloat16, kernel="amx")
+                onednn = _time_packed_gemm(torch.bfloat16)
+                _amx_gemm_faster = amx < onednn
+                logger.info("bfloat16 passes of up to %d rows: %s's GEMM (AMX %.0f us, oneDNN "
+                            "%.0f us at 64 x 1536 x 576)", AMX_GEMM_MAX_ROWS,
+                            "keel" if _amx_gemm_faster else "oneDNN", amx * 1e6, onednn * 1e6)
+    return _amx_gemm_faster
+
+
+def _amx_budget(nbytes: int) -> bool:
+    """Whether one more AMX copy of nbytes fits: the copies sit beside oneDNN's packed
+    weights (which the longer passes take), so together they may take at most a quarter of
+    the memory available when the first was made."""
+    global _amx_bytes_left
+    if _amx_bytes_left is None:
+        avail = 0
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        avail = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        _amx_bytes_left = avail // 4
+    if nbytes > _amx_bytes_left:
+        if _amx_bytes_left >= 0:
+            logger.info("AMX GEMM copies stop here: a quarter of the available memory is used; "
+                        "the remaining layers run on oneDNN alone")
+            _amx_bytes_left = -1
+        return False
+    _amx_bytes_left -= nbytes
+    return True
 
 
 def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True) -> None:
@@ -173,6 +234,10 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True) -> None:
         module.packed_weight, module.packed_by = pack_weight(w.float()), "onednn-upcast"
     elif onednn_gemm_supported(w):
         module.packed_weight, module.packed_by = pack_weight(w), "onednn"
+        n, k = w.shape
+        if (w.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and amx_gemm_chosen()
+                and _amx_budget(w.numel() * w.element_size())):
+            module.amx_weight = _keel_ops.amx_gemm_pack(w.detach())
     else:
         return
     module.packed_rows = w.shape[0]
@@ -183,6 +248,9 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True) -> None:
 def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ packed weight (+ bias); in float32 for a bfloat16 weight computed in float32,
     rounded back."""
+    amx = getattr(module, "amx_weight", None)
+    if amx is not None and x.shape[0] <= AMX_GEMM_MAX_ROWS and x.dtype == torch.bfloat16:
+        return _keel_ops.amx_gemm(x, amx, module.packed_rows, bias)
     if module.packed_by == "keel":
         out = _keel_ops.gemm(x.float(), module.packed_weight, module.packed_rows,
                              None if bias is None else bias.float())
@@ -233,6 +301,7 @@ class LinearBase(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         self.packed_by = ""  # which GEMM packed_weight is for (pack_for_cpu_gemm)
         self.packed_rows = 0  # the weight's output rows
+        self.amx_weight: torch.Tensor | None = None  # amx_gemm_pack's copy (bfloat16, AMX)
         # Weights kept quantized (keel/model_executor/quantize_model.py); then no dense copy.
         self.quant: QuantizedWeight | None = None
 

@@ -60,6 +60,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed_weight: torch.Tensor | None = None
         self.packed_by = ""  # as LinearBase's (layers/linear.py)
         self.packed_rows = 0
+        self.amx_weight: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
         """Pack for the CPU's GEMM (see linear.py). A tied weight stays: the embedding

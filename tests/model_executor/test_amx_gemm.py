@@ -1,0 +1,89 @@
+"""keel's AMX GEMM (keel/csrc/amx_gemm.cpp) for bfloat16 decode-sized passes: against a
+float32 reference, through a linear layer (cpu_gemm: up to AMX_GEMM_MAX_ROWS rows on it,
+longer passes on oneDNN), and its arguments. Where the build or CPU has no AMX tiles the op
+says so and raises (each test checks that instead)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.cpu_ops import get_cpu_ops
+from keel.model_executor.layers import linear as linear_mod
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = get_cpu_ops()
+    assert ops is not None, "the CPU kernels must build on this machine"
+    return ops
+
+
+def reference(x, w, b):
+    out = x.float() @ w.float().t()
+    return out if b is None else out + b.float()
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 48, 64), (5, 960, 576), (16, 576, 576),
+                                     (37, 3072, 576), (64, 576, 1536), (64, 80, 96),
+                                     (130, 112, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float32_reference(ops, m, n, k, bias):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    if not ops.amx_gemm_available():
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            ops.amx_gemm(x, ops.amx_gemm_pack(w), n, b)
+        return
+    out = ops.amx_gemm(x, ops.amx_gemm_pack(w), n, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    want = reference(x, w, b)
+    # float32 sums rounded once to bfloat16 (2^-8 relative), in another order than torch's.
+    assert ((out.float() - want).abs() <= 1e-2 * want.abs() + 1e-2).all()
+
+
+@pytest.mark.parametrize("shape, message", [((48, 40), "K % 32"), ((40, 64), "N % 16")])
+def test_pack_needs_whole_tiles(ops, shape, message):
+    with pytest.raises(RuntimeError, match=message):
+        ops.amx_gemm_pack(torch.zeros(shape, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.amx_gemm_pack(torch.zeros(64, 64))
+
+
+def test_layer_takes_it_for_short_passes_only(ops, monkeypatch):
+    """A bfloat16 layer keeps oneDNN's packed weight and, where the AMX GEMM is chosen, its
+    tile copy: passes of up to AMX_GEMM_MAX_ROWS rows go to amx_gemm, longer ones to oneDNN;
+    both match the dense product."""
+    monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
+    monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1 << 30)
+    monkeypatch.setattr(linear_mod, "_keel_ops", ops)
+    layer = linear_mod.ColumnParallelLinear(96, 80, bias=True, dtype=torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=0.05)
+    torch.nn.init.normal_(layer.bias)
+    dense_w, dense_b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    if not ops.amx_gemm_available():
+        monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
+        assert not linear_mod.amx_gemm_chosen()  # no tiles: never chosen
+        return
+    linear_mod.pack_for_cpu_gemm(layer)
+    if layer.packed_by != "onednn":
+        return  # a torch without oneDNN's bfloat16: the plain layer (test_linear.py)
+    assert layer.amx_weight is not None
+    calls = []
+    real = ops.amx_gemm
+    monkeypatch.setattr(ops, "amx_gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 64, 65, 200):
+        x = torch.randn(rows, 96).bfloat16()
+        out = layer(x)
+        want = reference(x, dense_w, dense_b)
+        assert ((out.float() - want).abs() <= 1e-2 * want.abs() + 2e-2).all(), rows
+    assert calls == [1, 64]
+
+
+def test_copies_stop_at_the_memory_budget(monkeypatch):
+    monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1000)
+    assert linear_mod._amx_budget(600)
+    assert not linear_mod._amx_budget(600)  # 400 left
+    assert not linear_mod._amx_budget(10)  # stopped for good

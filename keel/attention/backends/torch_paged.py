@@ -23,8 +23,9 @@ On the CPU, keel's compiled kernel (`keel/cpu_ops.py`) replaces steps 2-5: it tr
 query token as a row of its own whose keys end at the token's position, and reads K/V in place
 through the block table, with no gathered or padded copy. A request with more than
 `CPU_KERNEL_MAX_QUERY_LEN` query tokens in the pass (a long prompt chunk) goes on its own to
-keel's causal prefill kernel instead (or SDPA; blocked loops win once many queries share each
-key), unpadded, while the other requests of the pass stay on the kernel: padding a batch of
+keel's causal prefill kernel instead (in bfloat16 on a CPU with AMX tiles, keel's AMX one; or
+SDPA where it times faster or the kernels do not apply; blocked loops win once many queries
+share each key), unpadded, while the other requests of the pass stay on the kernel: padding a batch of
 decodes to a 700-token chunk made a mixed pass 30-100x slower. A faster CUDA kernel can take
 the same place later.
 """

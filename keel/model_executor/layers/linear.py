@@ -26,6 +26,13 @@ oneDNN's is given the weight's float32 upcast. Either way the result is the bflo
 float32 are timed once at load and the faster kept: native bfloat16 GEMMs ran at half the
 float32 rate on an Intel Xeon with AVX512-BF16 but no AMX, and at twice it on an AMD EPYC
 with AVX512-BF16.
+
+Where the CPU has AMX tiles, a bfloat16 layer on oneDNN also keeps a copy of its weight in
+the tile layout of keel's AMX GEMM (csrc/amx_gemm.cpp), which takes the passes of up to
+`AMX_GEMM_MAX_ROWS` rows (decode steps) if it times faster than oneDNN's at load; oneDNN
+keeps the longer passes (prompt chunks). The copies may take a quarter of the memory
+available at load; past that the remaining layers run on oneDNN alone. `KEEL_AMX_GEMM=0`
+turns it off.
 """
 
 from __future__ import annotations

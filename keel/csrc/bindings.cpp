@@ -101,7 +101,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("float32_compute") = false, pybind11::arg("amx") = pybind11::none(),
            pybind11::arg("amx_rows") = 0, pybind11::arg("amx_n") = 0,
            "(q, d, m, max_rows, act_parts, packed, weight, bias, w8a8=None, gemm_rows=0, "
-           "float32_compute=False, amx=None, amx_rows=0, amx_n=0): the quantized form (used up to max_rows rows; 0: none), "
+           "float32_compute=False, amx=None, amx_rows=0, amx_n=0): the quantized form (used "
+           "up to max_rows rows; 0: none), "
            "the packed weight (oneDNN's, or keel's gemm_pack panels of a weight with gemm_rows "
            "output rows; a bfloat16 pass over it computed in float32 where float32_compute or "
            "gemm_rows) and the dense weight, or fbgemm's packed w8a8 weight; bfloat16 passes "

@@ -3,8 +3,9 @@ layers of a decode pass in one C++ call. It runs the Python layers' kernels with
 arguments, so the engine's output must be bit-identical with it on and off
 (KEEL_FUSED_DECODE=0): the same tokens and the same log-probabilities, for every
 Llama-family variant (GQA and llama3 RoPE, Qwen2's qkv bias, Qwen3's q/k norm, Mistral's
-sliding window), for dense float32 and bfloat16, int8, int4 and w8a8 weights (int8 and int4 in bfloat16 too); with quantized weights, passes of
-6 rows take the dense weights and passes of 3 the quantized kernels."""
+sliding window), for dense float32 and bfloat16, int8, int4 and w8a8 weights (int8 and int4
+in bfloat16 too; bfloat16 layers on keel's AMX GEMM where the CPU has it); with quantized
+weights, passes of 6 rows take the dense weights and passes of 3 the quantized kernels."""
 
 from __future__ import annotations
 

@@ -201,9 +201,9 @@ def amx_gemm_chosen() -> bool:
 
 
 def _amx_budget(nbytes: int) -> bool:
-    """Whether one more AMX copy of nbytes fits: the copies sit beside oneDNN's packed
-    weights (which the longer passes take), so together they may take at most a quarter of
-    the memory available when the first was made."""
+    """Whether one more AMX copy of nbytes fits. The copies sit beside oneDNN's packed
+    weights (which the longer passes take): all of them together may take at most a quarter
+    of the memory available when the first was made."""
     global _amx_bytes_left
     if _amx_bytes_left is None:
         avail = 0
@@ -256,7 +256,8 @@ def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
     """x @ packed weight (+ bias); in float32 for a bfloat16 weight computed in float32,
     rounded back."""
     amx = getattr(module, "amx_weight", None)
-    if amx is not None and x.shape[0] <= AMX_GEMM_MAX_ROWS and x.dtype == torch.bfloat16:
+    if (amx is not None and x.dim() == 2 and x.shape[0] <= AMX_GEMM_MAX_ROWS
+            and x.dtype == torch.bfloat16):
         return _keel_ops.amx_gemm(x, amx, module.packed_rows, bias)
     if module.packed_by == "keel":
         out = _keel_ops.gemm(x.float(), module.packed_weight, module.packed_rows,

@@ -24,43 +24,19 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx.h"
 #include "claims.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__) && defined(__linux__)
-#define KEEL_AMX_GEMM 1
-#include <immintrin.h>
-#else
-#define KEEL_AMX_GEMM 0
-#endif
 
 namespace {
 
-#if KEEL_AMX_GEMM
-struct alignas(64) GemmTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
+#if KEEL_AMX
 constexpr int64_t kAhead = 2;  // slices of the weight prefetched ahead of the first rows
-
-// Tiles 0-1: A (16 rows of x, 32 k each); 2-3: B (the pair's two tiles for a slice of K);
-// 4-7: the accumulators [rows 0-15 | 16-31] x [columns of tile 0 | tile 1].
-void configure_gemm_tiles() {
-  GemmTileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
-
 #endif
 
 }  // namespace
 
-bool prefill_attention_amx_available();  // the tile permission, asked once
-
 bool amx_gemm_available() {
-#if KEEL_AMX_GEMM
+#if KEEL_AMX
   return prefill_attention_amx_available();
 #else
   return false;
@@ -105,7 +81,7 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
   }
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0) return out;
-#if KEEL_AMX_GEMM
+#if KEEL_AMX
   // Rows padded to a whole tile (zeros) where M is not a multiple of 16.
   const int64_t M16 = (M + 15) / 16 * 16;
   at::Tensor xa = x.contiguous();
@@ -121,7 +97,9 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
   keel::Claims claims(pairs, threads, 0);
   keel::on_threads(threads, [&] {
-    configure_gemm_tiles();
+    // Tiles 0-1: A (16 rows of x, 32 k each); 2-3: B (the pair's two tiles for a slice of
+    // K); 4-7: the accumulators [rows 0-15 | 16-31] x [columns of tile 0 | tile 1].
+    keel::configure_tiles();
     alignas(64) float acc[32 * 32];
     int64_t end = 0;
     for (int64_t j = claims.claim(end); j < pairs; j = claims.claim(end)) {

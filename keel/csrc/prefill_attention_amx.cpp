@@ -38,15 +38,11 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__) && defined(__linux__)
-#define KEEL_AMX 1
-#include <immintrin.h>
+#include "amx.h"
+
+#if KEEL_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#else
-#define KEEL_AMX 0
 #endif
 
 namespace {
@@ -55,20 +51,6 @@ namespace {
 constexpr int64_t kRows = 16;   // query rows per item: the rows of an A tile
 constexpr int64_t kBlock = 32;  // keys per block: the K dimension of the P V product
 constexpr float kLazy = 8.0f;   // a row's maximum is raised past this margin only
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles: 0-1 the scores of a block (16 x 16 float each), 2 an A operand (Q or P), 3 a B
-// operand (K^T or V pairs), 4-7 the output's 16-dim columns.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
 
 bool tiles_permitted() {
   static const bool ok = [] {
@@ -151,29 +133,33 @@ inline __m512 exp2_16(__m512 t) {
   return _mm512_scalef_ps(p, k);
 }
 
+// The output's resident tiles (4-7: 16 dims each, D <= 64) to and from o [16][D].
+inline void store_output_tiles(float* o, int64_t D) {
+  const int64_t stride = D * 4;
+  _tile_stored(4, o, stride);
+  if (D > 16) _tile_stored(5, o + 16, stride);
+  if (D > 32) _tile_stored(6, o + 32, stride);
+  if (D > 48) _tile_stored(7, o + 48, stride);
+}
+inline void load_output_tiles(const float* o, int64_t D) {
+  const int64_t stride = D * 4;
+  _tile_loadd(4, o, stride);
+  if (D > 16) _tile_loadd(5, o + 16, stride);
+  if (D > 32) _tile_loadd(6, o + 32, stride);
+  if (D > 48) _tile_loadd(7, o + 48, stride);
+}
+
 // O's rows scaled by alpha (rows whose maximum was raised); resident tiles are stored, scaled
 // and loaded again.
 inline void rescale(Scratch& w, const float* alpha, int64_t D, bool resident) {
-  if (resident) {
-    const int64_t stride = D * 4;
-    if (D > 0) _tile_stored(4, w.o, stride);
-    if (D > 16) _tile_stored(5, w.o + 16, stride);
-    if (D > 32) _tile_stored(6, w.o + 32, stride);
-    if (D > 48) _tile_stored(7, w.o + 48, stride);
-  }
+  if (resident) store_output_tiles(w.o, D);
   for (int64_t r = 0; r < kRows; ++r) {
     if (alpha[r] == 1.f) continue;
     const __m512 a = _mm512_set1_ps(alpha[r]);
     for (int64_t d = 0; d < D; d += 16)
       _mm512_store_ps(w.o + r * D + d, _mm512_mul_ps(a, _mm512_load_ps(w.o + r * D + d)));
   }
-  if (resident) {
-    const int64_t stride = D * 4;
-    if (D > 0) _tile_loadd(4, w.o, stride);
-    if (D > 16) _tile_loadd(5, w.o + 16, stride);
-    if (D > 32) _tile_loadd(6, w.o + 32, stride);
-    if (D > 48) _tile_loadd(7, w.o + 48, stride);
-  }
+  if (resident) load_output_tiles(w.o, D);
 }
 
 void attend_item(const c10::BFloat16* q_ptr, int64_t q_stride, const uint32_t* kt,
@@ -303,13 +289,7 @@ void attend_item(const c10::BFloat16* q_ptr, int64_t q_stride, const uint32_t* k
       }
     }
   }
-  if (resident) {
-    const int64_t stride = D * 4;
-    if (D > 0) _tile_stored(4, w.o, stride);
-    if (D > 16) _tile_stored(5, w.o + 16, stride);
-    if (D > 32) _tile_stored(6, w.o + 32, stride);
-    if (D > 48) _tile_stored(7, w.o + 48, stride);
-  }
+  if (resident) store_output_tiles(w.o, D);
   for (int64_t r = 0; r < nr; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(w.l + r * 16)));
     c10::BFloat16* dst = o_ptr + (r0 + r) * o_stride + h * D;
@@ -374,7 +354,9 @@ void prefill_attention_amx(at::Tensor query, at::Tensor key, at::Tensor value, a
   auto* o_ptr = out.data_ptr<c10::BFloat16>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    configure_tiles();
+    // Tiles: 0-1 the scores of a block (16 x 16 float each), 2 an A operand (Q or P), 3 a B
+    // operand (K^T or V pairs), 4-7 the output's 16-dim columns.
+    keel::configure_tiles();
     auto w = std::make_unique<Scratch>();
     for (int64_t i = next++; i < items; i = next++) {  // longest first
       const int64_t blk = blocks - 1 - i / H, h = i % H, hk = h / G;

@@ -225,7 +225,7 @@ def _amx_budget(nbytes: int) -> bool:
     return True
 
 
-def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True) -> None:
+def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool = True) -> None:
     """Pack `module.weight` into `module.packed_weight` for the GEMM chosen for it
     (`module.packed_by`: "keel", "onednn", or "onednn-upcast" for a bfloat16 weight given to
     oneDNN as its float32 upcast), and (unless told to keep it) release the dense copy, as
@@ -242,7 +242,8 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True) -> None:
     elif onednn_gemm_supported(w):
         module.packed_weight, module.packed_by = pack_weight(w), "onednn"
         n, k = w.shape
-        if (w.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and amx_gemm_chosen()
+        if (amx and w.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
+                and amx_gemm_chosen()
                 and _amx_budget(w.numel() * w.element_size())):
             module.amx_weight = _keel_ops.amx_gemm_pack(w.detach())
     else:

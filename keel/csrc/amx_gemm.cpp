@@ -1,5 +1,5 @@
-// bfloat16 x @ W^T on AMX tiles, for the row counts of decode steps (a few to a few hundred
-// rows), where oneDNN's brgemm reached ~1.1 TFLOP/s with the weights in cache and ~13 GB/s
+// bfloat16 x @ W^T on AMX tiles, for the row counts of decode steps (keel sends it passes of
+// up to 64 rows), where oneDNN's brgemm reached ~1.1 TFLOP/s with the weights in cache and ~13 GB/s
 // of weights streamed from memory at 64 rows (eighteenth round, BENCHMARKS.md).
 //
 // The weight [N, K] is packed once (amx_gemm_pack) into the tile unit's B layout, two 16-column
@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "amx.h"
 #include "claims.h"
@@ -74,26 +75,33 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
   TORCH_CHECK(K % 32 == 0 && n % 16 == 0 && n > 0, "amx_gemm: K % 32 == 0 and N % 16 == 0");
   const int64_t pairs = (n + 31) / 32, slices = K / 32;
   TORCH_CHECK(packed.numel() == pairs * slices * 1024, "amx_gemm: packed weight of another shape");
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias_f.numel() == n, "amx_gemm: one bias per output column");
-  }
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() &&
+                    (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
+                "amx_gemm: one bias per output column, contiguous, bfloat16 or float32");
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0) return out;
 #if KEEL_AMX
-  // Rows padded to a whole tile (zeros) where M is not a multiple of 16.
+  // Rows padded to a whole tile (zeros) where M is not a multiple of 16, in a buffer each
+  // calling thread keeps (no allocation per pass once it has grown).
   const int64_t M16 = (M + 15) / 16 * 16;
-  at::Tensor xa = x.contiguous();
+  const at::Tensor xc = x.contiguous();
+  const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
   if (M16 != M) {
-    at::Tensor padded = at::zeros({M16, K}, x.options());
-    padded.narrow(0, 0, M).copy_(xa);
-    xa = padded;
+    static thread_local std::vector<c10::BFloat16> padded;
+    padded.resize(M16 * K);
+    std::memcpy(padded.data(), xp, M * K * sizeof(c10::BFloat16));
+    std::memset(padded.data() + M * K, 0, (M16 - M) * K * sizeof(c10::BFloat16));
+    xp = padded.data();
   }
-  const auto* xp = xa.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const float* bf = has_bias && bias->scalar_type() == at::kFloat ? bias->data_ptr<float>()
+                                                                   : nullptr;
+  const c10::BFloat16* bh = has_bias && bias->scalar_type() == at::kBFloat16
+                                ? bias->data_ptr<c10::BFloat16>()
+                                : nullptr;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
   keel::Claims claims(pairs, threads, 0);
   keel::on_threads(threads, [&] {
@@ -144,7 +152,12 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
             c10::BFloat16* dst = op + (r0 + r) * n + c0;
             for (int64_t h = 0; h < cols; h += 16) {
               __m512 v = _mm512_load_ps(acc + r * 32 + h);
-              if (bp != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + c0 + h));
+              if (bf != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bf + c0 + h));
+              if (bh != nullptr)  // bfloat16 widened exactly: its bits in the high half
+                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                         _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                             reinterpret_cast<const __m256i*>(bh + c0 + h))),
+                                         16)));
               _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + h),
                                   (__m256i)_mm512_cvtneps_pbh(v));
             }

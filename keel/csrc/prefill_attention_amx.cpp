@@ -334,17 +334,22 @@ void prefill_attention_amx(at::Tensor query, at::Tensor key, at::Tensor value, a
 #if KEEL_AMX
   const int64_t G = H / Hkv, offset = S - L;
   const int64_t S32 = (S + kBlock - 1) / kBlock * kBlock;
-  std::vector<uint32_t> kt(Hkv * S32 * D / 2);
-  std::vector<uint16_t> vv(Hkv * S32 * D);
+  // Packed K and V, in buffers the calling thread keeps (every element is written below).
+  static thread_local std::vector<uint32_t> kt;
+  static thread_local std::vector<uint16_t> vv;
+  kt.resize(Hkv * S32 * D / 2);
+  vv.resize(Hkv * S32 * D);
+  uint32_t* const ktp = kt.data();  // the calling thread's: the workers see these pointers
+  uint16_t* const vvp = vv.data();
   const auto* k_ptr = key.data_ptr<c10::BFloat16>();
   const auto* v_ptr = value.data_ptr<c10::BFloat16>();
   at::parallel_for(0, 2 * Hkv, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t hk = i / 2;
       if (i % 2 == 0)
-        pack_keys(k_ptr + hk * D, key.stride(0), S, S32, D, kt.data() + hk * S32 * D / 2);
+        pack_keys(k_ptr + hk * D, key.stride(0), S, S32, D, ktp + hk * S32 * D / 2);
       else
-        pack_values(v_ptr + hk * D, value.stride(0), S, S32, D, vv.data() + hk * S32 * D);
+        pack_values(v_ptr + hk * D, value.stride(0), S, S32, D, vvp + hk * S32 * D);
     }
   });
   const int64_t blocks = (L + kRows - 1) / kRows, items = blocks * H;
@@ -361,8 +366,8 @@ void prefill_attention_amx(at::Tensor query, at::Tensor key, at::Tensor value, a
     for (int64_t i = next++; i < items; i = next++) {  // longest first
       const int64_t blk = blocks - 1 - i / H, h = i % H, hk = h / G;
       const int64_t r0 = blk * kRows, nr = std::min(kRows, L - r0);
-      attend_item(q_ptr, query.stride(0), kt.data() + hk * S32 * D / 2,
-                  vv.data() + hk * S32 * D, o_ptr, out.stride(0), h, D, S32, r0, nr, offset,
+      attend_item(q_ptr, query.stride(0), ktp + hk * S32 * D / 2,
+                  vvp + hk * S32 * D, o_ptr, out.stride(0), h, D, S32, r0, nr, offset,
                   sliding_window, sc, *w);
     }
     _tile_release();

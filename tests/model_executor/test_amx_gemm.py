@@ -27,12 +27,12 @@ def reference(x, w, b):
 @pytest.mark.parametrize("m, n, k", [(1, 48, 64), (5, 960, 576), (16, 576, 576),
                                      (37, 3072, 576), (64, 576, 1536), (64, 80, 96),
                                      (130, 112, 32)])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("bias", [None, torch.bfloat16, torch.float32])
 def test_matches_float32_reference(ops, m, n, k, bias):
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    b = torch.randn(n, generator=g).to(bias) if bias is not None else None
     if not ops.amx_gemm_available():
         with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
             ops.amx_gemm(x, ops.amx_gemm_pack(w), n, b)

@@ -16,7 +16,7 @@
 - `gemm_pack`, `gemm` (csrc/gemm.cpp, AVX2 + FMA): keel's float32 GEMM over weights packed
   once into panels of 16 output columns (float32, or bfloat16 widened in registers), which
   streams each panel from memory once per block of rows and prefetches the next while the
-  current one is used; where it runs instead of oneDNN is layers/linear.py's choice.
+  current one is used; where it runs instead of oneDNN is layers/gemm_choice.py's choice.
 - `DecodePlan` (csrc/decode_layers.cpp): a Llama-family model's decoder layers for a pass of
   decode rows, in one call: the kernels above and the layers' GEMMs (oneDNN through the
   dispatcher, or the quantized kernels) in the Python layers' order, without the

@@ -20,7 +20,7 @@ namespace {
 
 constexpr int64_t kKernelRows = 4;  // rows per call of keel's quantized kernels
 
-// torch.ops.mkldnn._linear_pointwise, as keel's packed_linear calls it (layers/linear.py).
+// torch.ops.mkldnn._linear_pointwise, as keel's packed_linear calls it (layers/gemm_choice.py).
 at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed,
                             const std::optional<at::Tensor>& bias) {
   static const auto op =

@@ -20,7 +20,7 @@
 // k in order for every output.
 //
 // AVX2 + FMA intrinsics (8 lanes); `gemm_available()` is false on other CPUs, where keel keeps
-// oneDNN. Where AVX-512 is present, keel/model_executor/layers/linear.py times both at load.
+// oneDNN. Where AVX-512 is present, keel/model_executor/layers/gemm_choice.py times both at load.
 #include "ops.h"
 #include "claims.h"
 #include "vec.h"
@@ -291,7 +291,7 @@ at::Tensor gemm_silu(at::Tensor x, at::Tensor packed, int64_t n,
   return gemm_entry<true>("gemm_silu", x, packed, n, bias);
 }
 
-#else  // no AVX2 + FMA: keel keeps oneDNN (layers/linear.py asks gemm_available())
+#else  // no AVX2 + FMA: keel keeps oneDNN (layers/gemm_choice.py asks gemm_available())
 
 bool gemm_available() { return false; }
 at::Tensor gemm_pack(at::Tensor) { TORCH_CHECK(false, "gemm_pack needs AVX2 and FMA"); }

@@ -95,7 +95,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
         quantize_model(model, model_config.quantization_method, folder,
                        model_config.quantization_group_size)
     model = model.to(model_config.torch_device).eval()
-    for module in model.modules():  # e.g. pack weights for the CPU GEMM (layers/linear.py)
+    for module in model.modules():  # e.g. pack weights for the CPU GEMM (layers/gemm_choice.py)
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:
             process()

@@ -228,7 +228,7 @@ def choose_rows_per_pass(model: nn.Module, rows: tuple[int, ...] = (1, 8, 64)) -
     cache = _RowsCache()
     for (kind, n, k), layers in groups.items():
         dtype = layers[0].weight.dtype
-        # The dense side is whichever packed GEMM the layers got (layers/linear.py).
+        # The dense side is whichever packed GEMM the layers got (layers/gemm_choice.py).
         key = f"{kind} {n}x{k} {dtype} vs {layers[0].packed_by}"
         max_rows = cache.get(key)
         if max_rows is None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from keel.cpu_ops import get_cpu_ops
-from keel.model_executor.layers import linear as linear_mod
+from keel.model_executor.layers import gemm_choice as linear_mod
+from keel.model_executor.layers.linear import ColumnParallelLinear
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_layer_takes_it_for_short_passes_only(ops, monkeypatch):
     monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
     monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1 << 30)
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
-    layer = linear_mod.ColumnParallelLinear(96, 80, bias=True, dtype=torch.bfloat16)
+    layer = ColumnParallelLinear(96, 80, bias=True, dtype=torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=0.05)
     torch.nn.init.normal_(layer.bias)
     dense_w, dense_b = layer.weight.detach().clone(), layer.bias.detach().clone()

@@ -33,7 +33,7 @@ def gemm_mode(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_layers_compute_f_linear(gemm_mode, mode, dtype, bias):
-    from keel.model_executor.layers import linear
+    from keel.model_executor.layers import gemm_choice as linear
 
     gemm_mode(mode)
     g = torch.Generator().manual_seed(0)
@@ -113,7 +113,7 @@ def test_bf16_in_float32_is_the_rounded_float32_gemm(monkeypatch, gemm_mode, mod
     """Forced on (any CPU): a bfloat16 layer returns the float32 GEMM of the upcast input and
     weight rounded once to bfloat16 (keel's GEMM keeps the weight in bfloat16, oneDNN's packs
     its exact float32 upcast); the LM head too."""
-    from keel.model_executor.layers import linear
+    from keel.model_executor.layers import gemm_choice as linear
 
     gemm_mode(mode)
     monkeypatch.setattr(linear, "bf16_gemm_in_float32", lambda w: w.dtype == torch.bfloat16)
@@ -146,7 +146,7 @@ def test_bf16_in_float32_is_the_rounded_float32_gemm(monkeypatch, gemm_mode, mod
 def test_keel_gemm_choice(monkeypatch):
     """auto: keel's GEMM on an AVX2 CPU without measuring; elsewhere the faster of the two at
     a decode shape, measured once per process."""
-    from keel.model_executor.layers import linear
+    from keel.model_executor.layers import gemm_choice as linear
 
     calls = []
 
@@ -172,7 +172,7 @@ def test_keel_gemm_choice(monkeypatch):
 def test_bf16_choice_is_measured_where_the_cpu_has_bf16(monkeypatch):
     """With native bfloat16 GEMMs the choice is a measurement, taken once per process: the
     slower precision loses."""
-    from keel.model_executor.layers import linear
+    from keel.model_executor.layers import gemm_choice as linear
 
     calls = []
 

@@ -63,7 +63,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.amx_weight: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack for the CPU's GEMM (see linear.py). A tied weight stays: the embedding
+        """Pack for the CPU's GEMM (see gemm_choice.py). A tied weight stays: the embedding
         still looks rows up in it."""
         if self.weight.numel():
             # No AMX copy: at 64 x 49152 x 576 it ran at oneDNN's packed speed (2.1-2.3 ms,

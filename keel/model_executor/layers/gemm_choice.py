@@ -1,0 +1,265 @@
+"""Which GEMM runs a linear layer's weight on the CPU, and the weight packed for it.
+
+On the CPU, `process_weights_after_loading()` packs each weight once for the GEMM that runs
+it and releases the dense copy (vLLM's CPU backend does the same with oneDNN). Two packed
+GEMMs, chosen once per process (`KEEL_CPU_GEMM=auto`, the default):
+- keel's own (csrc/gemm.cpp: panels of 16 output columns, each streamed from memory once per
+  block of rows while the next is prefetched). On an AVX2 CPU it is taken without measuring:
+  there it ran as fast as oneDNN with the weights hot in cache and 1.13-1.15x faster with them
+  cold, as in a real step that reads every layer's weights from memory (BENCHMARKS.md, sixth
+  round). On a CPU with AVX-512 (where oneDNN runs 16-lane kernels and keel's is 8-lane) the
+  two are timed once at a decode shape and the faster kept.
+- oneDNN's, through torch (`torch.ops.mkldnn`), in the blocked layout it reads fastest: 1.5x
+  faster than `F.linear`'s MKL path in float32 here, 1.2x in bfloat16.
+`KEEL_CPU_GEMM=keel|onednn` forces one; `KEEL_CPU_GEMM=torch` packs nothing (plain `F.linear`).
+
+A bfloat16 weight on a CPU without native bfloat16 dot products (AVX2 only, or AVX-512
+without AVX512-BF16) is computed in float32 with the output rounded back to bfloat16: there
+oneDNN and torch emulate bfloat16 GEMMs, 4x slower than float32 on an AVX2 EPYC. keel's GEMM
+keeps the weight in bfloat16 and widens it exactly in registers (half the bytes to stream);
+oneDNN's is given the weight's float32 upcast. Either way the result is the bfloat16 GEMM's
+(float32 accumulation, one rounding). Where the CPU has native bfloat16 GEMMs, they and
+float32 are timed once at load and the faster kept: native bfloat16 GEMMs ran at half the
+float32 rate on an Intel Xeon with AVX512-BF16 but no AMX, and at twice it on an AMD EPYC
+with AVX512-BF16.
+
+Where the CPU has AMX tiles, a bfloat16 layer on oneDNN also keeps a copy of its weight in
+the tile layout of keel's AMX GEMM (csrc/amx_gemm.cpp), which takes the passes of up to
+`AMX_GEMM_MAX_ROWS` rows (decode steps) if it times faster than oneDNN's at load; oneDNN
+keeps the longer passes (prompt chunks). The copies may take a quarter of the memory
+available at load; past that the remaining layers run on oneDNN alone. `KEEL_AMX_GEMM=0`
+turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+# oneDNN picks its blocked layout for a batch size; one packed for 64 rows was as fast as one
+# packed for the actual size at every size measured (1 to 2048 rows).
+_PACK_BATCH_HINT = 64
+_GEMM_MODES = ("auto", "keel", "onednn", "torch")
+
+
+def _gemm_mode() -> str:
+    mode = os.environ.get("KEEL_CPU_GEMM", "auto")
+    if mode not in _GEMM_MODES:
+        raise ValueError(f"KEEL_CPU_GEMM={mode!r}: expected one of {', '.join(_GEMM_MODES)}")
+    return mode
+
+
+def onednn_gemm_supported(weight: torch.Tensor) -> bool:
+    """Whether `weight` can be packed for oneDNN's CPU GEMM (float32, or bfloat16 where the CPU
+    has native support), unless `KEEL_CPU_GEMM=torch`."""
+    if weight.device.type != "cpu" or _gemm_mode() == "torch":
+        return False
+    if not _onednn_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and _linear_pointwise is not None
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An opaque oneDNN copy of `weight` [out, in] for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+
+
+_bf16_slower_than_fp32: bool | None = None  # measured once per process
+_keel_gemm_faster: bool | None = None  # chosen once per process
+_keel_ops: Any = None  # keel's compiled kernels, once keel_gemm_chosen() has found them
+
+
+def bf16_gemm_in_float32(weight: torch.Tensor) -> bool:
+    """Whether a bfloat16 weight is computed in float32 (see the module docstring): always
+    without native bfloat16 GEMMs, else when they measure slower."""
+    global _bf16_slower_than_fp32
+    if not (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and _gemm_mode() != "torch"):
+        return False
+    if not (_onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return True
+    if _bf16_slower_than_fp32 is None:
+        _bf16_slower_than_fp32 = _time_packed_gemm(torch.bfloat16) > _time_packed_gemm(
+            torch.float32)
+        logger.info("bfloat16 weights: GEMMs in %s (measured faster on this CPU)",
+                    "float32" if _bf16_slower_than_fp32 else "bfloat16")
+    return _bf16_slower_than_fp32
+
+
+def keel_gemm_chosen() -> bool:
+    """Whether float32 GEMMs run on keel's kernel (csrc/gemm.cpp) rather than oneDNN's; see
+    the module docstring. Decided once per process."""
+    global _keel_gemm_faster, _keel_ops
+    mode = _gemm_mode()
+    if mode in ("torch", "onednn"):
+        return False
+    from keel.cpu_ops import get_cpu_ops
+
+    ops = get_cpu_ops()
+    if ops is None or not ops.gemm_available():
+        return False
+    _keel_ops = ops
+    if mode == "keel":
+        return True
+    if _keel_gemm_faster is None:
+        measure = _onednn_available() and torch.backends.cpu.get_cpu_capability() != "AVX2"
+        _keel_gemm_faster = not measure or (_time_packed_gemm(torch.float32, kernel="keel")
+                                            < _time_packed_gemm(torch.float32))
+        logger.info("Linear layers run on %s's GEMM (%s)",
+                    "keel" if _keel_gemm_faster else "oneDNN",
+                    "measured faster on this CPU" if measure else "AVX2 CPU, or no oneDNN")
+    return _keel_gemm_faster
+
+
+def _time_packed_gemm(dtype: torch.dtype, rows: int = 64, n: int = 1536, k: int = 576,
+                      kernel: str = "onednn") -> float:
+    """Best of 10 packed GEMMs at a decode-sized shape (the default model's gate_up)."""
+    from keel.utils import best_seconds
+
+    w = torch.randn(n, k).to(dtype)
+    x = torch.randn(rows, k).to(dtype)
+    if kernel == "keel":  # called by keel_gemm_chosen(), which has found _keel_ops
+        packed, x = _keel_ops.gemm_pack(w), x.float()
+        fn = lambda: _keel_ops.gemm(x, packed, n)
+    elif kernel == "amx":  # called by amx_gemm_chosen(), likewise
+        packed = _keel_ops.amx_gemm_pack(w)
+        fn = lambda: _keel_ops.amx_gemm(x, packed, n)
+    else:
+        packed = pack_weight(w)
+        fn = lambda: packed_linear(x, packed)
+    return best_seconds(fn, 10)
+
+
+# bfloat16 passes of up to this many rows (decode steps) run on keel's AMX GEMM
+# (csrc/amx_gemm.cpp) where it is chosen (amx_gemm_chosen): at 64 rows it measured 1.3-1.8x
+# oneDNN's with the weights in cache and ~1.15x streaming them from memory; from 128 rows
+# oneDNN's brgemm is as fast or faster (3.3 TFLOP/s at 2048 rows against 1.4; eighteenth
+# round, BENCHMARKS.md), so the layer keeps oneDNN's packed weight for those.
+AMX_GEMM_MAX_ROWS = 64
+_amx_gemm_faster: bool | None = None
+_amx_bytes_left: int | None = None  # the copies' memory budget (see _amx_budget)
+
+
+def amx_gemm_chosen() -> bool:
+    """Whether bfloat16 decode-sized passes run on keel's AMX GEMM: built, with AMX tiles,
+    not turned off (KEEL_AMX_GEMM=0), and measured faster than oneDNN's at 64 rows (once per
+    process)."""
+    global _amx_gemm_faster, _keel_ops
+    if _amx_gemm_faster is None:
+        _amx_gemm_faster = False
+        if os.environ.get("KEEL_AMX_GEMM", "1") != "0" and _gemm_mode() != "torch" \
+                and _onednn_available():
+            from keel.cpu_ops import get_cpu_ops
+
+            ops = get_cpu_ops()
+            if ops is not None and hasattr(ops, "amx_gemm") and ops.amx_gemm_available():
+                _keel_ops = ops
+                amx = _time_packed_gemm(torch.bfloat16, kernel="amx")
+                onednn = _time_packed_gemm(torch.bfloat16)
+                _amx_gemm_faster = amx < onednn
+                logger.info("bfloat16 passes of up to %d rows: %s's GEMM (AMX %.0f us, oneDNN "
+                            "%.0f us at 64 x 1536 x 576)", AMX_GEMM_MAX_ROWS,
+                            "keel" if _amx_gemm_faster else "oneDNN", amx * 1e6, onednn * 1e6)
+    return _amx_gemm_faster
+
+
+def _amx_budget(nbytes: int) -> bool:
+    """Whether one more AMX copy of nbytes fits. The copies sit beside oneDNN's packed
+    weights (which the longer passes take): all of them together may take at most a quarter
+    of the memory available when the first was made."""
+    global _amx_bytes_left
+    if _amx_bytes_left is None:
+        avail = 0
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        avail = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        _amx_bytes_left = avail // 4
+    if nbytes > _amx_bytes_left:
+        if _amx_bytes_left >= 0:
+            logger.info("AMX GEMM copies stop here: a quarter of the available memory is used; "
+                        "the remaining layers run on oneDNN alone")
+            _amx_bytes_left = -1
+        return False
+    _amx_bytes_left -= nbytes
+    return True
+
+
+def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool = True) -> None:
+    """Pack `module.weight` into `module.packed_weight` for the GEMM chosen for it
+    (`module.packed_by`: "keel", "onednn", or "onednn-upcast" for a bfloat16 weight given to
+    oneDNN as its float32 upcast), and (unless told to keep it) release the dense copy, as
+    vLLM's CPU backend does. Nothing is packed where neither GEMM takes the weight."""
+    if module.packed_weight is not None:
+        return
+    w = module.weight
+    in_float32 = bf16_gemm_in_float32(w)
+    if (w.dtype == torch.float32 or in_float32) and w.device.type == "cpu" \
+            and keel_gemm_chosen():
+        module.packed_weight, module.packed_by = _keel_ops.gemm_pack(w.detach()), "keel"
+    elif in_float32 and _onednn_available():
+        module.packed_weight, module.packed_by = pack_weight(w.float()), "onednn-upcast"
+    elif onednn_gemm_supported(w):
+        module.packed_weight, module.packed_by = pack_weight(w), "onednn"
+        n, k = w.shape
+        if (amx and w.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
+                and amx_gemm_chosen()
+                and _amx_budget(w.numel() * w.element_size())):
+            module.amx_weight = _keel_ops.amx_gemm_pack(w.detach())
+    else:
+        return
+    module.packed_rows = w.shape[0]
+    if release_dense:
+        module.weight = nn.Parameter(w.new_empty(0), False)
+
+
+def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ packed weight (+ bias); in float32 for a bfloat16 weight computed in float32,
+    rounded back."""
+    amx = getattr(module, "amx_weight", None)
+    if (amx is not None and x.dim() == 2 and x.shape[0] <= AMX_GEMM_MAX_ROWS
+            and x.dtype == torch.bfloat16):
+        return _keel_ops.amx_gemm(x, amx, module.packed_rows, bias)
+    if module.packed_by == "keel":
+        out = _keel_ops.gemm(x.float(), module.packed_weight, module.packed_rows,
+                             None if bias is None else bias.float())
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+    if module.packed_by == "onednn-upcast":
+        out = packed_linear(x.float(), module.packed_weight,
+                            None if bias is None else bias.float())
+        return out.to(x.dtype)
+    return packed_linear(x, module.packed_weight, bias)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return _linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _resolve_linear_pointwise():
+    """The op's overload, resolved once (the overload packet resolves it on every call);
+    None in a torch built without oneDNN."""
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_linear_pointwise = _resolve_linear_pointwise()

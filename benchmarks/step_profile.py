@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--workload", default="short", choices=["short", "long"])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--phase", default="decode", choices=["decode", "prefill"],
+                    help="prefill: time the first steps, chunks of prompt tokens")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
 
@@ -61,11 +63,14 @@ def main() -> None:
     for i, p in enumerate(make_prompts(args.workload, args.num_requests, 49152, 0)):
         request, _ = llm.input_processor.process(str(i), {"prompt_token_ids": p}, sp)
         core.add_request(request)
-    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1
-                                         for r in core.scheduler.running):
+    if args.phase == "prefill":  # one warm-up chunk, then the next ones are timed
         core.step()
-    for _ in range(3):
-        core.step()
+    else:
+        while core.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1
+                                             for r in core.scheduler.running):
+            core.step()
+        for _ in range(3):
+            core.step()
 
     phase: dict[str, float] = collections.defaultdict(float)
 
@@ -101,7 +106,7 @@ def main() -> None:
                if "linear_pointwise" in e.key or e.key in ("aten::addmm", "aten::mm")) / n / 1e3
     ctx = sum(r.num_tokens for r in core.scheduler.running) / max(len(core.scheduler.running), 1)
     print(f"# {cpu_model()} | torch {torch.__version__} | default model, {args.dtype} | "
-          f"{args.num_requests} requests decoding, mean context {ctx:.0f} tokens | "
+          f"{args.num_requests} requests, {args.phase}, mean context {ctx:.0f} tokens | "
           f"mean of {n} steps (profiler on)")
     print(f"step {step * 1e3:.1f} ms")
     for label, t in phase.items():

@@ -12,6 +12,18 @@
 //
 // Needs K % 32 == 0 and N % 16 == 0 (N is padded to a whole pair with zero columns), and
 // AMX-BF16 at build time with the tile permission (prefill_attention_amx.cpp asks for it).
+//
+// A layer whose weight is also kept as int4 in groups of 32 (W = q d + m, a GGUF file's own
+// numbers) can instead give the kernel an int4 copy (amx_gemm_pack_int4), in the same order:
+//   [N / 32 pairs][K / 32 slices][2 tiles]{16 k pairs x 16 bytes of nibbles, d[16], m[16]}
+// 384 bytes per tile instead of 1,024. Byte b of k pair p holds the bfloat16 tile row's lane b
+// in its low nibble and lane 16 + b in its high one (lane 2c + x: column c, k = 2p + x); d and
+// m are float32 per column of the tile (one group of 32 is one slice). The kernel widens a
+// pair's whole K into the bfloat16 tile layout in a buffer its thread keeps (36-96 KB for
+// these models, in L2), then runs the same tile loop over it: the weight stream from memory is
+// 2.7x smaller. The packing keeps the copy only where every widened value (q d + m in float32,
+// rounded to bfloat16) is bit-identical to amx_gemm_pack of the dense weight, so both copies
+// give the same output bits.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -21,6 +33,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -66,42 +79,42 @@ at::Tensor amx_gemm_pack(at::Tensor weight) {
   return packed;
 }
 
-at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias) {
-  TORCH_CHECK(amx_gemm_available(), "amx_gemm: this build or CPU has no AMX-BF16 tiles");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
-                  packed.scalar_type() == at::kBFloat16,
-              "amx_gemm: bfloat16 x [M, K] and packed weight expected");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0 && n % 16 == 0 && n > 0, "amx_gemm: K % 32 == 0 and N % 16 == 0");
-  const int64_t pairs = (n + 31) / 32, slices = K / 32;
-  TORCH_CHECK(packed.numel() == pairs * slices * 1024, "amx_gemm: packed weight of another shape");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() &&
-                    (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
-                "amx_gemm: one bias per output column, contiguous, bfloat16 or float32");
-  at::Tensor out = at::empty({M, n}, x.options());
-  if (M == 0) return out;
+namespace {
+
 #if KEEL_AMX
-  // Rows padded to a whole tile (zeros) where M is not a multiple of 16, in a buffer each
-  // calling thread keeps (no allocation per pass once it has grown).
-  const int64_t M16 = (M + 15) / 16 * 16;
-  const at::Tensor xc = x.contiguous();
-  const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
-  if (M16 != M) {
-    static thread_local std::vector<c10::BFloat16> padded;
-    padded.resize(M16 * K);
-    std::memcpy(padded.data(), xp, M * K * sizeof(c10::BFloat16));
-    std::memset(padded.data() + M * K, 0, (M16 - M) * K * sizeof(c10::BFloat16));
-    xp = padded.data();
+constexpr int64_t kInt4Tile = 256 + 2 * 16 * 4;  // nibbles, then d[16] and m[16] float32
+
+// One int4 tile (kInt4Tile bytes) -> its bfloat16 tile (16 rows x 32 lanes), q d + m rounded
+// once in float32 (the explicit-rounding intrinsics: never contracted into an FMA).
+inline void widen_int4_tile(const uint8_t* src, uint16_t* dst) {
+  const float* dm = reinterpret_cast<const float*>(src + 256);
+  const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+  const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + 16);
+  const __m512 d_lo = _mm512_permutexvar_ps(lo_cols, d), d_hi = _mm512_permutexvar_ps(hi_cols, d);
+  const __m512 m_lo = _mm512_permutexvar_ps(lo_cols, m), m_hi = _mm512_permutexvar_ps(hi_cols, m);
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int p = 0; p < 16; ++p) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + p * 16)));
+    const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4));
+    const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    const __m512 w_lo = _mm512_add_round_ps(_mm512_mul_round_ps(q_lo, d_lo, kRound), m_lo, kRound);
+    const __m512 w_hi = _mm512_add_round_ps(_mm512_mul_round_ps(q_hi, d_hi, kRound), m_hi, kRound);
+    _mm512_storeu_si512(dst + p * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
   }
-  const auto* wp = packed.data_ptr<c10::BFloat16>();
-  auto* op = out.data_ptr<c10::BFloat16>();
-  const float* bf = has_bias && bias->scalar_type() == at::kFloat ? bias->data_ptr<float>()
-                                                                   : nullptr;
-  const c10::BFloat16* bh = has_bias && bias->scalar_type() == at::kBFloat16
-                                ? bias->data_ptr<c10::BFloat16>()
-                                : nullptr;
+}
+
+// x [M16, K] bfloat16 (rows padded to a multiple of 16) @ W^T -> out [M, n], one pair of 16
+// columns at a time; `pair_weight(j)` gives pair j's bfloat16 tiles ([K / 32][2][16][32]),
+// called on the thread that computes it.
+template <typename PairWeight>
+void amx_gemm_tiles(const c10::BFloat16* xp, int64_t M, int64_t K, int64_t n, const float* bf,
+                    const c10::BFloat16* bh, c10::BFloat16* op, bool stream_ahead,
+                    const PairWeight& pair_weight) {
+  const int64_t M16 = (M + 15) / 16 * 16;
+  const int64_t pairs = (n + 31) / 32, slices = K / 32;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
   keel::Claims claims(pairs, threads, 0);
   keel::on_threads(threads, [&] {
@@ -112,11 +125,11 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
     int64_t end = 0;
     for (int64_t j = claims.claim(end); j < pairs; j = claims.claim(end)) {
       for (; j < end; ++j) {
-        const c10::BFloat16* wj = wp + j * slices * 1024;
+        const c10::BFloat16* wj = pair_weight(j);
         const int64_t c0 = j * 32, cols = std::min<int64_t>(32, n - c0);
         for (int64_t r0 = 0; r0 < M16; r0 += 32) {
           const bool two = r0 + 16 < M16;
-          const bool first = r0 == 0;
+          const bool first = r0 == 0 && stream_ahead;
           const c10::BFloat16* x0 = xp + r0 * K;
           _tile_zero(4);
           _tile_zero(5);
@@ -167,6 +180,132 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
     }
     _tile_release();
   });
+}
+
+// A pair's bfloat16 tiles widened from its int4 copy into `buf` (slices x 2 tiles).
+inline void widen_int4_pair(const uint8_t* src, int64_t slices, uint16_t* buf) {
+  for (int64_t t = 0; t < slices * 2; ++t) widen_int4_tile(src + t * kInt4Tile, buf + t * 512);
+}
+#endif
+
+}  // namespace
+
+at::Tensor amx_gemm_pack_int4(at::Tensor q, at::Tensor d, at::Tensor m, at::Tensor dense) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && d.dim() == 2 &&
+                  m.sizes() == d.sizes() && dense.dim() == 2 &&
+                  dense.scalar_type() == at::kBFloat16,
+              "amx_gemm_pack_int4: q uint8 [N, K / 2], d and m [N, K / 32], dense bfloat16 "
+              "[N, K] expected");
+  const int64_t N = dense.size(0), K = dense.size(1);
+  TORCH_CHECK(q.size(0) == N && q.size(1) * 2 == K && d.size(0) == N && d.size(1) * 32 == K,
+              "amx_gemm_pack_int4: q, d, m and the dense weight disagree on [N, K]");
+  TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "amx_gemm_pack_int4: K % 32 == 0 and N % 16 == 0");
+  const int64_t pairs = (N + 31) / 32, slices = K / 32;
+  at::Tensor packed = at::zeros({pairs * slices * 2 * 384}, q.options());
+#if KEEL_AMX
+  static_assert(kInt4Tile == 384);
+  const at::Tensor qc = q.contiguous(), df = d.to(at::kFloat).contiguous(),
+                   mf = m.to(at::kFloat).contiguous();
+  const uint8_t* qp = qc.data_ptr<uint8_t>();
+  const float* dp = df.data_ptr<float>();
+  const float* mp = mf.data_ptr<float>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  // Keep it only where it widens to exactly amx_gemm_pack's bfloat16 tiles.
+  const at::Tensor ref = amx_gemm_pack(dense);
+  const auto* rp = reinterpret_cast<const uint16_t*>(ref.data_ptr<c10::BFloat16>());
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
+    std::vector<uint16_t> buf(slices * 1024);
+    for (int64_t pair = b; pair < e; ++pair) {
+      for (int64_t n = pair * 32; n < std::min(N, pair * 32 + 32); ++n) {
+        const int64_t t = (n / 16) % 2, c = n % 16;
+        for (int64_t sl = 0; sl < slices; ++sl) {
+          uint8_t* tile = dst + ((pair * slices + sl) * 2 + t) * kInt4Tile;
+          float* tdm = reinterpret_cast<float*>(tile + 256);
+          tdm[c] = dp[n * slices + sl];
+          tdm[16 + c] = mp[n * slices + sl];
+          for (int64_t kk = 0; kk < 32; ++kk) {
+            const int64_t k = sl * 32 + kk, byte = qp[n * (K / 2) + k / 2];
+            const uint8_t v = k % 2 ? byte >> 4 : byte & 0x0F;
+            const int64_t lane = c * 2 + kk % 2, p = kk / 2;
+            tile[p * 16 + lane % 16] |= lane < 16 ? v : static_cast<uint8_t>(v << 4);
+          }
+        }
+      }
+      widen_int4_pair(dst + pair * slices * 2 * kInt4Tile, slices, buf.data());
+      if (std::memcmp(buf.data(), rp + pair * slices * 1024, buf.size() * 2) != 0)
+        exact = false;
+    }
+  });
+  if (!exact) return at::empty({0}, q.options());
+  return packed;
+#else
+  TORCH_CHECK(false, "amx_gemm_pack_int4: this build has no AMX-BF16 tiles");
+  return packed;
+#endif
+}
+
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(amx_gemm_available(), "amx_gemm: this build or CPU has no AMX-BF16 tiles");
+  const bool int4 = packed.scalar_type() == at::kByte;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+                  (packed.scalar_type() == at::kBFloat16 || int4),
+              "amx_gemm: bfloat16 x [M, K] and a packed weight (amx_gemm_pack or "
+              "amx_gemm_pack_int4) expected");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && n % 16 == 0 && n > 0, "amx_gemm: K % 32 == 0 and N % 16 == 0");
+  const int64_t pairs = (n + 31) / 32, slices = K / 32;
+  TORCH_CHECK(packed.numel() == pairs * slices * (int4 ? 768 : 1024),
+              "amx_gemm: packed weight of another shape");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() &&
+                    (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
+                "amx_gemm: one bias per output column, contiguous, bfloat16 or float32");
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0) return out;
+#if KEEL_AMX
+  // Rows padded to a whole tile (zeros) where M is not a multiple of 16, in a buffer each
+  // calling thread keeps (no allocation per pass once it has grown).
+  const int64_t M16 = (M + 15) / 16 * 16;
+  const at::Tensor xc = x.contiguous();
+  const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
+  if (M16 != M) {
+    static thread_local std::vector<c10::BFloat16> padded;
+    padded.resize(M16 * K);
+    std::memcpy(padded.data(), xp, M * K * sizeof(c10::BFloat16));
+    std::memset(padded.data() + M * K, 0, (M16 - M) * K * sizeof(c10::BFloat16));
+    xp = padded.data();
+  }
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const float* bf = has_bias && bias->scalar_type() == at::kFloat ? bias->data_ptr<float>()
+                                                                   : nullptr;
+  const c10::BFloat16* bh = has_bias && bias->scalar_type() == at::kBFloat16
+                                ? bias->data_ptr<c10::BFloat16>()
+                                : nullptr;
+  if (int4) {
+    const uint8_t* wq = packed.data_ptr<uint8_t>();
+    amx_gemm_tiles(xp, M, K, n, bf, bh, op, false, [&](int64_t j) {
+      // Each worker thread's widened pair (the pool's threads live as long as the process).
+      // Over-allocated by 64 bytes: the tiles start on a cache line.
+      static thread_local std::vector<uint16_t> buf;
+      buf.resize(slices * 1024 + 32);
+      const auto at = reinterpret_cast<uintptr_t>(buf.data());
+      auto* tiles = reinterpret_cast<uint16_t*>((at + 63) & ~uintptr_t{63});
+      const uint8_t* src = wq + j * slices * 2 * kInt4Tile;
+      widen_int4_pair(src, slices, tiles);
+      if (j + 1 < pairs) {  // the next pair's int4 tiles into L2 while this pair's tiles run
+        const uint8_t* next = src + slices * 2 * kInt4Tile;
+        for (int64_t l = 0; l < slices * 2 * kInt4Tile; l += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + l), _MM_HINT_T1);
+      }
+      return reinterpret_cast<const c10::BFloat16*>(tiles);
+    });
+  } else {
+    const auto* wp = packed.data_ptr<c10::BFloat16>();
+    amx_gemm_tiles(xp, M, K, n, bf, bh, op, true,
+                   [&](int64_t j) { return wp + j * slices * 1024; });
+  }
 #endif
   return out;
 }

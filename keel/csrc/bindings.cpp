@@ -67,6 +67,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_amx", &prefill_attention_amx,
         "causal attention of one long bfloat16 prompt chunk on AMX tiles");
   m.def("amx_gemm_pack", &amx_gemm_pack, "a bfloat16 weight [N, K] in amx_gemm's tile layout");
+  m.def("amx_gemm_pack_int4", &amx_gemm_pack_int4,
+        "amx_gemm's int4 copy of a weight kept as int4 in groups of 32 (empty where it does "
+        "not widen to exactly the dense bfloat16 weight)");
   m.def("amx_gemm", &amx_gemm, "bfloat16 x @ W^T (+ bias) on AMX tiles",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("amx_gemm_available", &amx_gemm_available, "whether this build and CPU run amx_gemm");

@@ -52,5 +52,9 @@ bool gemm_available();
 // bfloat16 x [M, K] @ W^T (+ bias) -> [M, N] bfloat16 on AMX tiles (amx_gemm.cpp), W packed
 // once by amx_gemm_pack; K % 32 == 0, N % 16 == 0.
 at::Tensor amx_gemm_pack(at::Tensor weight);
+// Its int4 copy from keel's int4 form (q uint8 [N, K / 2], d and m [N, K / 32]: W = q d + m),
+// or an empty tensor where that does not widen to exactly the bfloat16 `dense` [N, K].
+// amx_gemm takes either copy.
+at::Tensor amx_gemm_pack_int4(at::Tensor q, at::Tensor d, at::Tensor m, at::Tensor dense);
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias);
 bool amx_gemm_available();

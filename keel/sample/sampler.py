@@ -39,9 +39,11 @@ _NUM_CANDIDATES = 256
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1); on the CPU keel's kernel (the same indices, 4x faster at
-    [64, 49152] here: torch's ran on one thread)."""
+    [64, 49152] here: torch's ran on one thread). float32, or the LM head's bfloat16 where the
+    step is a greedy argmax alone (keel/worker/sample_step.py)."""
     ops = cpu_ops_for(logits)
-    if ops is not None and logits.dtype == torch.float32 and logits.is_contiguous() and (
+    if ops is not None and logits.dtype in (torch.float32, torch.bfloat16) and (
+            logits.is_contiguous()) and (
             logits.dim() == 2 and logits.shape[1] > 0):
         return ops.argmax_rows(logits)
     return logits.argmax(dim=-1)

@@ -44,7 +44,9 @@ class ExecuteModelState(NamedTuple):
     execute_model() returns None."""
 
     scheduler_output: SchedulerOutput
-    logits: torch.Tensor  # [num_reqs, vocab] float32
+    # [num_reqs, vocab] in the LM head's dtype: sample_tokens widens it to float32 unless the
+    # step is a greedy argmax alone (a bfloat16 model's [64, 49152] float32 copy was ~1 ms).
+    logits: torch.Tensor
     spec_decode_metadata: SpecDecodeMetadata | None  # None: no drafts this pass
     hidden_states: torch.Tensor  # [num_tokens, hidden]; the logits rows only with output_rows
     sample_hidden_states: torch.Tensor  # [num_reqs, hidden]
@@ -387,7 +389,7 @@ class ModelRunner(SampleTokensMixin):
         # Only the rows that will be sampled are projected to the vocabulary.
         sample_hidden_states = (hidden_states if output_rows is not None
                                 else hidden_states[logits_indices])
-        logits = self.model.compute_logits(sample_hidden_states)
+        logits = self.model.compute_logits(sample_hidden_states, float32=False)
         if trace is not None:
             trace.after_forward()
         self.execute_model_state = ExecuteModelState(

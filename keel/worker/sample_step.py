@@ -47,13 +47,20 @@ class SampleTokensMixin:
             # drafts has); the draft targets go to the rejection sampler.
             target_logits = logits[spec.target_logits_indices]
             logits = logits[spec.bonus_logits_indices]
-        if grammar_output is not None:
-            self._apply_grammar_bitmask(logits, grammar_output)
-
         batch = self.input_batch
         num_reqs = batch.num_reqs
         discard = self.discard_request_mask.np[:num_reqs]
         meta = batch.sampling_metadata
+        if logits.dtype != torch.float32 and not (
+                spec is None and grammar_output is None and meta.all_greedy
+                and meta.no_processing and meta.max_num_logprobs is None):
+            # Anything beyond a greedy argmax reads float32 logits (the argmax of bfloat16
+            # logits is their float32 upcast's: the same tokens).
+            logits = logits.float()
+            if spec is not None:
+                target_logits = target_logits.float()
+        if grammar_output is not None:
+            self._apply_grammar_bitmask(logits, grammar_output)
         if meta.generators and discard.any():
             # A seeded request's generator must only advance for tokens it keeps, or its
             # output would depend on how its prompt was chunked (or whether it was preempted).

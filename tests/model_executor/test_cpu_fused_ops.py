@@ -125,5 +125,9 @@ def test_argmax_rows_equals_torch(ops):
     x[6] = 0.0
     for t in (x, torch.randn(3, 5), torch.randn(4, 8), torch.randn(1, 1)):
         assert torch.equal(ops.argmax_rows(t), t.argmax(-1))
+        # bfloat16 (a greedy step's LM head output): its float32 upcast's index, ties
+        # included (rounding makes many)
+        b = t.bfloat16()
+        assert torch.equal(ops.argmax_rows(b), b.float().argmax(-1))
     with pytest.raises(RuntimeError, match="contiguous float32"):
         ops.argmax_rows(x.t())

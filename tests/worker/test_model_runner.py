@@ -180,9 +180,9 @@ def test_only_logits_rows_are_projected_and_partial_rows_are_discarded(
     rows_seen = []
     original = model.compute_logits
 
-    def recording(hidden):
+    def recording(hidden, float32=True):
         rows_seen.append(hidden.shape[0])
-        return original(hidden)
+        return original(hidden, float32)
 
     monkeypatch.setattr(model, "compute_logits", recording)
     assert runner.execute_model(seed_example()) is None
@@ -457,3 +457,38 @@ def test_grammar_bitmask_rows_follow_req_ids_not_rows(make_runner):
     out = runner.sample_tokens(GrammarOutput(["b", "a"], bitmask))
     assert out.sampled_token_ids[out.req_id_to_index["a"]] == [40]
     assert out.sampled_token_ids[out.req_id_to_index["b"]] == [7]
+
+
+def test_greedy_step_samples_the_bfloat16_logits_and_others_get_float32(config, monkeypatch):
+    """A bfloat16 model's LM head gives bfloat16 logits. A step that is a greedy argmax alone
+    samples them as they are (no float32 copy); a step with a random row widens them first.
+    Either way the tokens are the argmax of the float32 logits."""
+    import dataclasses
+
+    bf16 = dataclasses.replace(config, model_config=dataclasses.replace(
+        config.model_config, dtype="bfloat16"))
+    runner = ModelRunner(bf16, torch.device("cpu"))
+    runner.load_model()
+    runner.initialize_kv_cache(NUM_BLOCKS)
+    seen = []
+    sampler = runner.sampler
+
+    def recording(logits, meta):
+        seen.append(logits.dtype)
+        out = sampler(logits.clone(), meta)
+        want = logits.float().argmax(-1)
+        greedy_rows = (meta.temperature < 1e-5) if meta.temperature is not None else None
+        got = out.sampled_token_ids
+        assert torch.equal(got if greedy_rows is None else got[greedy_rows],
+                           want if greedy_rows is None else want[greedy_rows])
+        return out
+
+    monkeypatch.setattr(runner, "sampler", recording)
+    step(runner, sched(new=[new_req("a", prompt(7, 1), [0]), new_req("b", prompt(5, 2), [1])],
+                       nst={"a": 7, "b": 5}))
+    assert seen == [torch.bfloat16]
+    step(runner, sched(new=[new_req("c", prompt(6, 3), [2],
+                                    sp=SamplingParams(temperature=0.8, seed=1))],
+                       cached_reqs=cached(("a", 7, None), ("b", 5, None)),
+                       nst={"a": 1, "b": 1, "c": 6}))
+    assert seen == [torch.bfloat16, torch.float32]

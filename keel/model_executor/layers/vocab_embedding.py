@@ -70,8 +70,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             # benchmarks/amx_kernels.py) for 56 MB more memory.
             pack_for_cpu_gemm(self, release_dense=not self.tied, amx=False)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden] (only the rows to be sampled) -> [n, vocab] in float32."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden: [n, hidden] (only the rows to be sampled) -> [n, vocab] in float32, or
+        (float32=False) in the GEMM's own dtype, for a caller that widens only if it must."""
         if self.quant is not None and uses_kernel(
                 self.quant, hidden, self.packed_weight is not None or self.weight.numel() > 0):
             logits = quantized_linear(hidden, self.quant)
@@ -81,4 +82,5 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits)
-        return logits[:, : self.num_embeddings].float()
+        logits = logits[:, : self.num_embeddings]
+        return logits.float() if float32 else logits

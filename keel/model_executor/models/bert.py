@@ -143,7 +143,7 @@ class BertModel(nn.Module):
             hidden = layer(hidden)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         raise ValueError("BertModel is an encoder: it embeds (LLM.embed), it cannot generate.")
 
     def _hf_names(self, name: str) -> str:

@@ -246,8 +246,9 @@ class LlamaForCausalLM(nn.Module):
         shape = (num_tokens, self.config.hidden_size)
         return {"hidden_states": (shape, self.dtype), "residual": (shape, self.dtype)}
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)  # [n, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        # [n, vocab] float32 (else the model's dtype: ParallelLMHead.compute_logits)
+        return self.lm_head.compute_logits(hidden, float32)
 
     def expected_weights(self) -> set[str]:
         """Every (param, shard) that a complete checkpoint must provide, in HF names."""
@@ -308,7 +309,7 @@ class LlamaEmbeddingModel(LlamaForCausalLM):
         return {n.removeprefix("model.") for n in super().expected_weights()
                 if not n.startswith("lm_head.")}
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         raise ValueError(f"{type(self).__name__} has no LM head: it embeds (LLM.embed), it "
                          "cannot generate.")
 

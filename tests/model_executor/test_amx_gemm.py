@@ -88,3 +88,62 @@ def test_copies_stop_at_the_memory_budget(monkeypatch):
     assert linear_mod._amx_budget(600)
     assert not linear_mod._amx_budget(600)  # 400 left
     assert not linear_mod._amx_budget(10)  # stopped for good
+
+
+def int4_weight(n, k, g, half=True):
+    """keel's int4 form (nibble pairs, d, m: W = q d + m per group of 32) and its dense
+    bfloat16 weight, rounded from q d + m in float32 as a GGUF file's dequantized values."""
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    dtype = torch.float16 if half else torch.float32
+    d = (torch.rand(n, k // 32, generator=g) * 0.01).to(dtype)
+    m = (-torch.rand(n, k // 32, generator=g) * 0.08).to(dtype)
+    w = (q.float().view(n, k // 32, 32) * d.float()[..., None] + m.float()[..., None])
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), d, m, w.view(n, k).bfloat16()
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 48, 64), (5, 960, 576), (37, 3072, 576),
+                                     (64, 576, 1536), (130, 112, 32)])
+@pytest.mark.parametrize("half", [True, False])
+def test_int4_copy_gives_the_bfloat16_copys_bits(ops, m, n, k, half):
+    """The int4 copy widens to the same bfloat16 tiles, so the output is bit-identical; a copy
+    whose int4 values do not give the dense weight exactly is refused (empty)."""
+    g = torch.Generator().manual_seed(m + n + k)
+    pairs, d, mins, w = int4_weight(n, k, g, half)
+    if not ops.amx_gemm_available():
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            ops.amx_gemm_pack_int4(pairs, d, mins, w)
+        return
+    copy = ops.amx_gemm_pack_int4(pairs, d, mins, w)
+    assert copy.dtype == torch.uint8 and copy.numel() * 4 == ((n + 31) // 32 * 32) * k * 3
+    x = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    assert torch.equal(ops.amx_gemm(x, copy, n, b), ops.amx_gemm(x, ops.amx_gemm_pack(w), n, b))
+    off = w.clone()
+    off[n // 2, k - 1] = off[n // 2, k - 1] * 2 + 1  # one weight that int4 does not give
+    assert ops.amx_gemm_pack_int4(pairs, d, mins, off).numel() == 0
+
+
+def test_quantized_layer_keeps_the_int4_copy(ops, monkeypatch):
+    """A layer that also keeps keel's int4 form gets the int4 copy (0.375x the bytes of the
+    bfloat16 one), and its short passes are bit-identical to the bfloat16 copy's."""
+    from keel.model_executor.layers.quantization import pack_int4_pairs
+
+    monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
+    monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1 << 30)
+    monkeypatch.setattr(linear_mod, "_keel_ops", ops)
+    if not ops.amx_gemm_available():
+        monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
+        assert not linear_mod.amx_gemm_chosen()  # no tiles: no copy of either kind
+        return
+    g = torch.Generator().manual_seed(3)
+    pairs, d, mins, w = int4_weight(96, 128, g)
+    layer = ColumnParallelLinear(128, 96, bias=False, dtype=torch.bfloat16)
+    layer.weight.data.copy_(w)
+    # pack_int4_pairs takes pack_int4's (scale, zero) form: zero = m + 8 d
+    layer.quant = pack_int4_pairs(pairs, d.float(), mins.float() + 8 * d.float(), 128)
+    layer.quant.max_rows = 0  # every pass on the dense side
+    layer.process_weights_after_loading()
+    assert layer.amx_weight.dtype == torch.uint8
+    assert layer.amx_weight.numel() == ops.amx_gemm_pack(w).numel() * 3 // 4
+    x = torch.randn(20, 128, generator=g).bfloat16()
+    assert torch.equal(layer(x), ops.amx_gemm(x, ops.amx_gemm_pack(w), 96))

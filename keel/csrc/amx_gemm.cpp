@@ -40,6 +40,7 @@
 
 #include "amx.h"
 #include "claims.h"
+#include "silu.h"
 
 namespace {
 
@@ -109,9 +110,14 @@ inline void widen_int4_tile(const uint8_t* src, uint16_t* dst) {
 // x [M16, K] bfloat16 (rows padded to a multiple of 16) @ W^T -> out [M, n], one pair of 16
 // columns at a time; `pair_weight(j)` gives pair j's bfloat16 tiles ([K / 32][2][16][32]),
 // called on the thread that computes it.
+//
+// silu: the weight's pairs are [16 gate columns | their 16 up columns] (a [gate; up] layer
+// packed with its rows interleaved by 16), and the output is [M, n / 2]: silu(gate) * up,
+// each of gate and up first rounded to bfloat16 (with the bias) as the GEMM's output would
+// be, then as silu_and_mul computes it (keel::silu16, rounded, times up, rounded).
 template <typename PairWeight>
 void amx_gemm_tiles(const c10::BFloat16* xp, int64_t M, int64_t K, int64_t n, const float* bf,
-                    const c10::BFloat16* bh, c10::BFloat16* op, bool stream_ahead,
+                    const c10::BFloat16* bh, c10::BFloat16* op, bool stream_ahead, bool silu,
                     const PairWeight& pair_weight) {
   const int64_t M16 = (M + 15) / 16 * 16;
   const int64_t pairs = (n + 31) / 32, slices = K / 32;
@@ -161,7 +167,21 @@ void amx_gemm_tiles(const c10::BFloat16* xp, int64_t M, int64_t K, int64_t n, co
             _tile_stored(7, acc + 16 * 32 + 16, 128);
           }
           const int64_t rows = std::min<int64_t>(two ? 32 : 16, M - r0);
-          for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t r = 0; silu && r < rows; ++r) {
+            __m512 gu[2];
+            for (int h = 0; h < 2; ++h) {  // gate, then up: as the GEMM's bfloat16 output
+              __m512 v = _mm512_load_ps(acc + r * 32 + h * 16);
+              if (bf != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bf + c0 + h * 16));
+              if (bh != nullptr) v = _mm512_add_ps(v, keel::load_ps16(bh + c0 + h * 16));
+              const __m256bh b = _mm512_cvtneps_pbh(v);
+              gu[h] = keel::load_ps16(reinterpret_cast<const c10::BFloat16*>(&b));
+            }
+            const __m256bh sb = _mm512_cvtneps_pbh(keel::silu16(gu[0]));
+            const __m512 sr = keel::load_ps16(reinterpret_cast<const c10::BFloat16*>(&sb));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (r0 + r) * (n / 2) + j * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, gu[1])));
+          }
+          for (int64_t r = 0; !silu && r < rows; ++r) {
             c10::BFloat16* dst = op + (r0 + r) * n + c0;
             for (int64_t h = 0; h < cols; h += 16) {
               __m512 v = _mm512_load_ps(acc + r * 32 + h);
@@ -254,7 +274,8 @@ at::Tensor amx_gemm_pack_int4(at::Tensor q, at::Tensor d, at::Tensor m, at::Tens
 #endif
 }
 
-at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias) {
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,
+                    bool silu_mul) {
   TORCH_CHECK(amx_gemm_available(), "amx_gemm: this build or CPU has no AMX-BF16 tiles");
   const bool int4 = packed.scalar_type() == at::kByte;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
@@ -271,7 +292,9 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
     TORCH_CHECK(bias->numel() == n && bias->is_contiguous() &&
                     (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
                 "amx_gemm: one bias per output column, contiguous, bfloat16 or float32");
-  at::Tensor out = at::empty({M, n}, x.options());
+  TORCH_CHECK(!silu_mul || n % 32 == 0,
+              "amx_gemm: silu_mul needs whole pairs of [16 gate | 16 up] columns");
+  at::Tensor out = at::empty({M, silu_mul ? n / 2 : n}, x.options());
   if (M == 0) return out;
 #if KEEL_AMX
   // Rows padded to a whole tile (zeros) where M is not a multiple of 16, in a buffer each
@@ -294,7 +317,7 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
                                 : nullptr;
   if (int4) {
     const uint8_t* wq = packed.data_ptr<uint8_t>();
-    amx_gemm_tiles(xp, M, K, n, bf, bh, op, false, [&](int64_t j) {
+    amx_gemm_tiles(xp, M, K, n, bf, bh, op, false, silu_mul, [&](int64_t j) {
       // Each worker thread's widened pair (the pool's threads live as long as the process).
       // Over-allocated by 64 bytes: the tiles start on a cache line.
       static thread_local std::vector<uint16_t> buf;
@@ -307,7 +330,7 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
     });
   } else {
     const auto* wp = packed.data_ptr<c10::BFloat16>();
-    amx_gemm_tiles(xp, M, K, n, bf, bh, op, true,
+    amx_gemm_tiles(xp, M, K, n, bf, bh, op, true, silu_mul,
                    [&](int64_t j) { return wp + j * slices * 1024; });
   }
 #endif

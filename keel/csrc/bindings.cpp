@@ -14,11 +14,14 @@ PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
                        std::optional<at::Tensor> packed, std::optional<at::Tensor> weight,
                        std::optional<at::Tensor> bias, pybind11::object w8a8,
                        int64_t gemm_rows, bool float32_compute, std::optional<at::Tensor> amx,
-                       int64_t amx_rows, int64_t amx_n) {
+                       int64_t amx_rows, int64_t amx_n, bool amx_silu,
+                       std::optional<at::Tensor> amx_bias) {
   PlanLinear lin;
   lin.amx = amx.value_or(at::Tensor());
   lin.amx_rows = lin.amx.defined() ? amx_rows : 0;
   lin.amx_n = amx_n;
+  lin.amx_silu = amx_silu;
+  lin.amx_bias = amx_bias.value_or(at::Tensor());
   if (!w8a8.is_none()) lin.w8a8 = torch::jit::toIValue(w8a8, c10::AnyType::get());
   if (max_rows > 0) {
     TORCH_CHECK(q.has_value() && d.has_value() &&
@@ -71,7 +74,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "amx_gemm's int4 copy of a weight kept as int4 in groups of 32 (empty where it does "
         "not widen to exactly the dense bfloat16 weight)");
   m.def("amx_gemm", &amx_gemm, "bfloat16 x @ W^T (+ bias) on AMX tiles",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
+        py::arg("silu_mul") = false);
   m.def("amx_gemm_available", &amx_gemm_available, "whether this build and CPU run amx_gemm");
   m.def("prefill_attention_amx_available", &prefill_attention_amx_available,
         "whether this build and CPU run prefill_attention_amx");
@@ -103,14 +107,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("w8a8") = pybind11::none(), pybind11::arg("gemm_rows") = 0,
            pybind11::arg("float32_compute") = false, pybind11::arg("amx") = pybind11::none(),
            pybind11::arg("amx_rows") = 0, pybind11::arg("amx_n") = 0,
+           pybind11::arg("amx_silu") = false, pybind11::arg("amx_bias") = pybind11::none(),
            "(q, d, m, max_rows, act_parts, packed, weight, bias, w8a8=None, gemm_rows=0, "
-           "float32_compute=False, amx=None, amx_rows=0, amx_n=0): the quantized form (used "
+           "float32_compute=False, amx=None, amx_rows=0, amx_n=0, amx_silu=False, "
+           "amx_bias=None): the quantized form (used "
            "up to max_rows rows; 0: none), "
            "the packed weight (oneDNN's, or keel's gemm_pack panels of a weight with gemm_rows "
            "output rows; a bfloat16 pass over it computed in float32 where float32_compute or "
            "gemm_rows) and the dense weight, or fbgemm's packed w8a8 weight; bfloat16 passes "
            "of up to amx_rows rows on amx_gemm over `amx` (amx_gemm_pack of an [amx_n, K] "
-           "weight)");
+           "weight; amx_silu: a [gate; up] weight interleaved by 16 rows, with amx_bias, "
+           "which only silu_mul takes)");
   pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a decode pass in one call")
       .def(pybind11::init<>())
       .def("add_layer", &add_layer, "one Llama-family decoder layer's weights and cache")

@@ -72,7 +72,7 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
     if (out.scalar_type() != x.scalar_type()) out = out.to(x.scalar_type());
     return bias.defined() ? out.add_(bias) : out;
   }
-  if (amx_rows > 0 && rows <= amx_rows && x.scalar_type() == at::kBFloat16)
+  if (amx_rows > 0 && !amx_silu && rows <= amx_rows && x.scalar_type() == at::kBFloat16)
     return amx_gemm(x, amx, amx_n, bias.defined() ? std::optional<at::Tensor>(bias)
                                                   : std::nullopt);
   // A bfloat16 pass over keel's panels or oneDNN's upcast: in float32, rounded back once.
@@ -88,6 +88,12 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
 }
 
 at::Tensor PlanLinear::silu_mul(const at::Tensor& x) const {
+  // The AMX GEMM with silu in its epilogue, as the Python layer's gemm_silu takes it.
+  if (amx_silu && amx_rows > 0 && x.size(0) <= amx_rows && x.scalar_type() == at::kBFloat16 &&
+      !(max_rows > 0 && x.size(0) <= max_rows))
+    return amx_gemm(x, amx, amx_n,
+                    amx_bias.defined() ? std::optional<at::Tensor>(amx_bias) : std::nullopt,
+                    true);
   // keel's panels in float32, as the Python layer's gemm_silu (layers/linear.py) chooses it.
   if (w8a8.isNone() && !(max_rows > 0 && x.size(0) <= max_rows) && gemm_rows > 0 &&
       gemm_rows % 32 == 0 && x.scalar_type() == at::kFloat)

@@ -36,6 +36,10 @@ struct PlanLinear {
   // [amx_n, K] weight), as layers/gemm_choice.py cpu_gemm takes it.
   at::Tensor amx;
   int64_t amx_rows = 0, amx_n = 0;
+  // `amx` is a [gate; up] layer's rows interleaved by 16 (amx_gemm's silu_mul form, with
+  // `amx_bias` interleaved alike): only silu_mul takes it.
+  bool amx_silu = false;
+  at::Tensor amx_bias;
   at::Tensor operator()(const at::Tensor& x) const;
   // silu(gate) * up of a merged [gate; up] layer: in keel's GEMM epilogue where it applies.
   at::Tensor silu_mul(const at::Tensor& x) const;

@@ -18,6 +18,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include "ops.h"
+#include "silu.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -168,45 +169,6 @@ inline keel::v8 silu8(keel::v8 gv) {
   return gv * (num / (1.0f + ex));
 }
 
-#ifdef __AVX512F__
-// silu8's numbers in 16 AVX-512 lanes at ~4x its speed (2.2 -> 0.x ms for [2048, 1536]
-// bfloat16; BENCHMARKS.md, nineteenth round): FMAs in exp's polynomial (this file is otherwise
-// built without contraction, for RMSNorm's bits), 2^k by vscalefps, and 1 / (1 + e) by
-// vrcp14ps and one Newton step instead of a division. Within ~3e-7 of silu8 (the test's
-// float32 tolerance is 1e-6).
-inline __m512 silu16(__m512 g) {
-  const __m512 ax = _mm512_abs_ps(g);
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), ax),
-                                               _mm512_set1_ps(-87.0f)),
-                                 _mm512_set1_ps(1.4426950408889634f));  // -|g| log2 e
-  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512 ex = _mm512_scalef_ps(p, k);  // exp(-|g|) in (0, 1]
-  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), ex);
-  __m512 r = _mm512_rcp14_ps(den);
-  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(den, r, _mm512_set1_ps(2.0f)));
-  // sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below
-  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  return _mm512_mul_ps(g, _mm512_mask_mul_ps(r, neg, r, ex));
-}
-
-template <typename T>
-inline __m512 load_ps16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  }
-}
-#endif
 
 // silu(g) = g * sigmoid(g), with sigmoid from exp(-|g|) (no overflow); rounded to T, then
 // times up, rounded to T: torch's `act(gate) * up` in T.
@@ -237,15 +199,15 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
 #endif
       if constexpr (fast) {
         for (; i + 16 <= inter; i += 16) {
-          const __m512 sv = silu16(load_ps16(g + i));
+          const __m512 sv = keel::silu16(keel::load_ps16(g + i));
           if constexpr (std::is_same_v<T, float>) {
             _mm512_storeu_ps(o + i, _mm512_mul_ps(sv, _mm512_loadu_ps(u + i)));
           } else {  // silu rounded to bfloat16 (RNE, as torch), times up, rounded again
 #ifdef __AVX512BF16__
             const __m256bh sh = _mm512_cvtneps_pbh(sv);
-            const __m512 sr = load_ps16(reinterpret_cast<const c10::BFloat16*>(&sh));
+            const __m512 sr = keel::load_ps16(reinterpret_cast<const c10::BFloat16*>(&sh));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, load_ps16(u + i))));
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, keel::load_ps16(u + i))));
 #endif
           }
         }
@@ -275,7 +237,8 @@ void silu_mul_f32(const float* g, const float* u, float* o, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
   for (; i + 16 <= n; i += 16)  // silu_and_mul_kernel<float>'s loop
-    _mm512_storeu_ps(o + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+    _mm512_storeu_ps(o + i, _mm512_mul_ps(keel::silu16(_mm512_loadu_ps(g + i)),
+                                          _mm512_loadu_ps(u + i)));
 #endif
   for (; i < n; i += 8) {  // silu_and_mul_kernel<float>'s loop
     keel::store8(o + i, silu8(keel::load8(g + i)) * keel::load8(u + i));

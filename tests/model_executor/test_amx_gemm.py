@@ -147,3 +147,43 @@ def test_quantized_layer_keeps_the_int4_copy(ops, monkeypatch):
     assert layer.amx_weight.numel() == ops.amx_gemm_pack(w).numel() * 3 // 4
     x = torch.randn(20, 128, generator=g).bfloat16()
     assert torch.equal(layer(x), ops.amx_gemm(x, ops.amx_gemm_pack(w), 96))
+
+
+@pytest.mark.parametrize("m", [1, 20, 64])
+@pytest.mark.parametrize("int4, bias", [(False, None), (True, None), (False, torch.bfloat16),
+                                        (True, torch.float32)])
+def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4, bias):
+    """A [gate; up] layer that feeds silu_and_mul keeps its AMX copy interleaved by 16 rows;
+    gemm_silu takes it with silu in the epilogue: bit-identical to silu_and_mul of the plain
+    GEMM. A plain call of the layer does not use the interleaved copy."""
+    from keel.model_executor.layers.linear import MergedColumnParallelLinear
+    from keel.model_executor.layers.quantization import pack_int4_pairs
+
+    monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
+    monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1 << 30)
+    monkeypatch.setattr(linear_mod, "_keel_ops", ops)
+    if not ops.amx_gemm_available():
+        monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
+        assert not linear_mod.amx_gemm_chosen()
+        return
+    g = torch.Generator().manual_seed(m)
+    inter, k = 96, 128
+    pairs, d, mins, w = int4_weight(2 * inter, k, g)
+    layer = MergedColumnParallelLinear(k, [inter, inter], bias=bias is not None,
+                                       dtype=torch.bfloat16)
+    layer.weight.data.copy_(w)
+    if bias is not None:
+        layer.bias.data.copy_(torch.randn(2 * inter, generator=g))
+    if int4:
+        layer.quant = pack_int4_pairs(pairs, d.float(), mins.float() + 8 * d.float(), k)
+        layer.quant.max_rows = 0
+    layer.silu_pairs = True
+    layer.process_weights_after_loading()
+    assert layer.amx_silu and layer.amx_weight.dtype == (torch.uint8 if int4 else torch.bfloat16)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    plain = ops.amx_gemm(x, ops.amx_gemm_pack(w), 2 * inter,
+                         None if bias is None else layer.bias.to(bias))
+    want = ops.silu_and_mul(plain)
+    got = layer.gemm_silu(x)
+    assert got.shape == (m, inter) and torch.equal(got, want)
+    assert torch.equal(layer(x), linear_mod.packed_linear(x, layer.packed_weight, layer.bias))

@@ -68,7 +68,8 @@ def _plan_linear(ops: Any, linear: Any, dtype: torch.dtype) -> Any:
                           gemm_rows=linear.packed_rows if linear.packed_by == "keel" else 0,
                           float32_compute=linear.packed_by == "onednn-upcast", amx=amx,
                           amx_rows=AMX_GEMM_MAX_ROWS if amx is not None else 0,
-                          amx_n=linear.packed_rows)
+                          amx_n=linear.packed_rows, amx_silu=amx is not None and linear.amx_silu,
+                          amx_bias=linear.amx_bias)
 
 
 class FusedDecode:

@@ -201,16 +201,28 @@ def _amx_budget(nbytes: int) -> bool:
     return True
 
 
-def _amx_copy(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
-    """The AMX GEMM's copy of the bfloat16 weight `w`: from the layer's int4 groups where it
-    keeps keel's int4 form (a GGUF file's Q4 tensors) and they widen to exactly `w` (0.75
-    bytes a weight read per pass instead of 2), else `w` in bfloat16 tiles."""
+def silu_pair_order(n: int) -> torch.Tensor:
+    """The rows of a [gate; up] weight (n = 2I rows, I % 16 == 0) interleaved by 16: gate rows
+    0-15, up rows 0-15, gate rows 16-31, ... (amx_gemm's silu_mul form)."""
+    i = n // 2
+    blocks = torch.arange(i).view(-1, 16)
+    return torch.stack([blocks, blocks + i], dim=1).reshape(-1)
+
+
+def _amx_copy(module: nn.Module, w: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """The AMX GEMM's copy of the bfloat16 weight `w` (its rows in `order` if given): from the
+    layer's int4 groups where it keeps keel's int4 form (a GGUF file's Q4 tensors) and they
+    widen to exactly `w` (0.75 bytes a weight read per pass instead of 2), else `w` in
+    bfloat16 tiles."""
     int4 = getattr(getattr(module, "quant", None), "keel", None)
+    if order is not None:
+        w = w[order]
+        int4 = None if int4 is None else tuple(t[order] for t in int4)
     if int4 is not None and int4[0].shape[1] * 2 == w.shape[1]:
-        copy = _keel_ops.amx_gemm_pack_int4(*int4, w)
+        copy = _keel_ops.amx_gemm_pack_int4(*(t.contiguous() for t in int4), w.contiguous())
         if copy.numel():
             return copy
-    return _keel_ops.amx_gemm_pack(w)
+    return _keel_ops.amx_gemm_pack(w.contiguous())
 
 
 def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool = True) -> None:
@@ -232,9 +244,15 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
         n, k = w.shape
         if amx and w.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 \
                 and amx_gemm_chosen():
-            copy = _amx_copy(module, w.detach())
+            # A [gate; up] layer that only feeds silu_and_mul: rows interleaved by 16, so that
+            # each pair of tiles is 16 gate columns and their 16 up columns (the epilogue).
+            pairs = getattr(module, "silu_pairs", False) and n % 32 == 0
+            order = silu_pair_order(n) if pairs else None
+            copy = _amx_copy(module, w.detach(), order)
             if _amx_budget(copy.numel() * copy.element_size()):
-                module.amx_weight = copy
+                module.amx_weight, module.amx_silu = copy, pairs
+                if pairs and module.bias is not None:
+                    module.amx_bias = module.bias.detach()[order].contiguous()
     else:
         return
     module.packed_rows = w.shape[0]
@@ -246,7 +264,8 @@ def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
     """x @ packed weight (+ bias); in float32 for a bfloat16 weight computed in float32,
     rounded back."""
     amx = getattr(module, "amx_weight", None)
-    if (amx is not None and x.dim() == 2 and x.shape[0] <= AMX_GEMM_MAX_ROWS
+    if (amx is not None and not getattr(module, "amx_silu", False) and x.dim() == 2
+            and x.shape[0] <= AMX_GEMM_MAX_ROWS
             and x.dtype == torch.bfloat16):
         return _keel_ops.amx_gemm(x, amx, module.packed_rows, bias)
     if module.packed_by == "keel":

@@ -74,6 +74,12 @@ class LinearBase(nn.Module):
         self.packed_by = ""  # which GEMM packed_weight is for (pack_for_cpu_gemm)
         self.packed_rows = 0  # the weight's output rows
         self.amx_weight: torch.Tensor | None = None  # amx_gemm_pack's copy (bfloat16, AMX)
+        # A [gate; up] layer whose output only feeds silu_and_mul (set by its MLP): its AMX
+        # copy then interleaves gate and up rows by 16 (amx_silu, with amx_bias alike) and
+        # only gemm_silu takes it.
+        self.silu_pairs = False
+        self.amx_silu = False
+        self.amx_bias: torch.Tensor | None = None
         # Weights kept quantized (keel/model_executor/quantize_model.py); then no dense copy.
         self.quant: QuantizedWeight | None = None
 
@@ -131,9 +137,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def gemm_silu(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for a [gate; up] layer, with the activation in keel's GEMM epilogue
-        (csrc/gemm.cpp gemm_silu: the [T, 2I] product is never written out), or None where
-        that path does not apply: another GEMM, a quantized pass, a bfloat16 pass, or widths
-        that are not multiples of 16."""
+        (csrc/gemm.cpp gemm_silu, or a bfloat16 pass of up to AMX_GEMM_MAX_ROWS rows on the
+        AMX GEMM's interleaved copy: the [T, 2I] product is never written out), or None where
+        that path does not apply: another GEMM, a quantized pass, or widths that are not
+        multiples of 16."""
+        if (self.amx_silu and x.dtype == torch.bfloat16 and x.dim() == 2
+                and x.shape[0] <= gemm_choice.AMX_GEMM_MAX_ROWS
+                and not (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):
+            return gemm_choice._keel_ops.amx_gemm(x, self.amx_weight, self.packed_rows,
+                                                  self.amx_bias, True)
         if (self.packed_by != "keel" or x.dtype != torch.float32 or x.dim() != 2
                 or self.packed_rows % 32 or len(set(self.output_sizes)) != 1
                 or len(self.output_sizes) != 2

@@ -115,35 +115,62 @@ inline void widen_int4_tile(const uint8_t* src, uint16_t* dst) {
 // packed with its rows interleaved by 16), and the output is [M, n / 2]: silu(gate) * up,
 // each of gate and up first rounded to bfloat16 (with the bias) as the GEMM's output would
 // be, then as silu_and_mul computes it (keel::silu16, rounded, times up, rounded).
+//
+// pair_weight(j, s0, ns) gives the bfloat16 tiles of slices [s0, s0 + ns) of pair j
+// ([ns][2][16][32]), called on the thread that computes them, `chunk` slices at a time: a
+// chunk's tiles serve every 32 rows of x before the next chunk's are asked for, and the
+// accumulators of each 32 rows wait in memory (L1) in between. A widened copy is asked for a
+// few slices at a time so that they stay in L1 for all of x's rows (K = 576 at 64 rows: the
+// whole pair's 36 KB beside x's 73 KB had the tile loads waiting on L2).
 template <typename PairWeight>
 void amx_gemm_tiles(const c10::BFloat16* xp, int64_t M, int64_t K, int64_t n, const float* bf,
                     const c10::BFloat16* bh, c10::BFloat16* op, bool stream_ahead, bool silu,
-                    const PairWeight& pair_weight) {
+                    int64_t chunk, const PairWeight& pair_weight) {
   const int64_t M16 = (M + 15) / 16 * 16;
   const int64_t pairs = (n + 31) / 32, slices = K / 32;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
+  const int64_t blocks32 = (M16 + 31) / 32;
+  if (blocks32 == 1) chunk = slices;  // one block of rows: nothing to keep between chunks
   keel::Claims claims(pairs, threads, 0);
   keel::on_threads(threads, [&] {
     // Tiles 0-1: A (16 rows of x, 32 k each); 2-3: B (the pair's two tiles for a slice of
     // K); 4-7: the accumulators [rows 0-15 | 16-31] x [columns of tile 0 | tile 1].
     keel::configure_tiles();
     alignas(64) float acc[32 * 32];
+    // Each block of 32 rows' accumulators between chunks (4 tiles of 1 KB).
+    static thread_local std::vector<float> held;
+    if (chunk < slices) held.resize(blocks32 * 4 * 256 + 16);
+    float* hp = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(held.data()) + 63) & ~uintptr_t{63});
     int64_t end = 0;
     for (int64_t j = claims.claim(end); j < pairs; j = claims.claim(end)) {
       for (; j < end; ++j) {
-        const c10::BFloat16* wj = pair_weight(j);
-        const int64_t c0 = j * 32, cols = std::min<int64_t>(32, n - c0);
+       const int64_t c0 = j * 32, cols = std::min<int64_t>(32, n - c0);
+       for (int64_t s0 = 0; s0 < slices; s0 += chunk) {
+        const int64_t ns = std::min(chunk, slices - s0);
+        const bool last = s0 + ns == slices;
+        const c10::BFloat16* wj = pair_weight(j, s0, ns);
         for (int64_t r0 = 0; r0 < M16; r0 += 32) {
           const bool two = r0 + 16 < M16;
           const bool first = r0 == 0 && stream_ahead;
-          const c10::BFloat16* x0 = xp + r0 * K;
-          _tile_zero(4);
-          _tile_zero(5);
-          if (two) {
-            _tile_zero(6);
-            _tile_zero(7);
+          const c10::BFloat16* x0 = xp + r0 * K + s0 * 32;
+          float* h = hp + r0 / 32 * 1024;
+          if (s0 == 0) {
+            _tile_zero(4);
+            _tile_zero(5);
+            if (two) {
+              _tile_zero(6);
+              _tile_zero(7);
+            }
+          } else {
+            _tile_loadd(4, h, 64);
+            _tile_loadd(5, h + 256, 64);
+            if (two) {
+              _tile_loadd(6, h + 512, 64);
+              _tile_loadd(7, h + 768, 64);
+            }
           }
-          for (int64_t s = 0; s < slices; ++s) {
+          for (int64_t s = 0; s < ns; ++s) {
             const c10::BFloat16* ws = wj + s * 1024;
             if (first) {  // the weight's stream, two slices ahead (~10% at 64 rows, cold)
               const char* p = reinterpret_cast<const char*>(ws + kAhead * 1024);
@@ -159,6 +186,15 @@ void amx_gemm_tiles(const c10::BFloat16* xp, int64_t M, int64_t K, int64_t n, co
               _tile_dpbf16ps(6, 1, 2);
               _tile_dpbf16ps(7, 1, 3);
             }
+          }
+          if (!last) {  // the sums so far, until the next chunk
+            _tile_stored(4, h, 64);
+            _tile_stored(5, h + 256, 64);
+            if (two) {
+              _tile_stored(6, h + 512, 64);
+              _tile_stored(7, h + 768, 64);
+            }
+            continue;
           }
           _tile_stored(4, acc, 128);
           _tile_stored(5, acc + 16, 128);
@@ -196,6 +232,7 @@ void amx_gemm_tiles(const c10::BFloat16* xp, int64_t M, int64_t K, int64_t n, co
             }
           }
         }
+       }
       }
     }
     _tile_release();
@@ -207,6 +244,10 @@ void amx_gemm_tiles(const c10::BFloat16* xp, int64_t M, int64_t K, int64_t n, co
 // memory): 64 rows from memory 15.1 -> 13.3 ms for the default model's 120 layers, where
 // prefetching a whole pair at once stalled (17% of the GEMM's samples on the prefetches).
 constexpr int64_t kInt4Ahead = 4;
+// Slices of a pair widened at a time (6 KB of tiles, with x's 6 KB per 32 rows: L1): the
+// default model's 120 layers at 64 rows, weights in cache 12.1 -> 9.6 ms (2 slices: 10.3-10.4,
+// 4: 10.2, 6: 10.1, 9: 11.1; the bfloat16 copy, streamed from memory, gained nothing from it).
+constexpr int64_t kWidenChunk = 3;
 
 inline void widen_int4_pair(const uint8_t* src, int64_t slices, uint16_t* buf) {
   for (int64_t t = 0; t < slices * 2; ++t) {
@@ -317,21 +358,21 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
                                 : nullptr;
   if (int4) {
     const uint8_t* wq = packed.data_ptr<uint8_t>();
-    amx_gemm_tiles(xp, M, K, n, bf, bh, op, false, silu_mul, [&](int64_t j) {
-      // Each worker thread's widened pair (the pool's threads live as long as the process).
-      // Over-allocated by 64 bytes: the tiles start on a cache line.
+    amx_gemm_tiles(xp, M, K, n, bf, bh, op, false, silu_mul, kWidenChunk,
+                   [&](int64_t j, int64_t s0, int64_t ns) {
+      // Each worker thread's widened slices (the pool's threads live as long as the
+      // process). Over-allocated by 64 bytes: the tiles start on a cache line.
       static thread_local std::vector<uint16_t> buf;
       buf.resize(slices * 1024 + 32);
       const auto at = reinterpret_cast<uintptr_t>(buf.data());
       auto* tiles = reinterpret_cast<uint16_t*>((at + 63) & ~uintptr_t{63});
-      const uint8_t* src = wq + j * slices * 2 * kInt4Tile;
-      widen_int4_pair(src, slices, tiles);
+      widen_int4_pair(wq + (j * slices + s0) * 2 * kInt4Tile, ns, tiles);
       return reinterpret_cast<const c10::BFloat16*>(tiles);
     });
   } else {
     const auto* wp = packed.data_ptr<c10::BFloat16>();
-    amx_gemm_tiles(xp, M, K, n, bf, bh, op, true, silu_mul,
-                   [&](int64_t j) { return wp + j * slices * 1024; });
+    amx_gemm_tiles(xp, M, K, n, bf, bh, op, true, silu_mul, slices,
+                   [&](int64_t j, int64_t s0, int64_t) { return wp + (j * slices + s0) * 1024; });
   }
 #endif
   return out;

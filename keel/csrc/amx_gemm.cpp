@@ -256,6 +256,33 @@ inline void widen_int4_pair(const uint8_t* src, int64_t slices, uint16_t* buf) {
     widen_int4_tile(src + t * kInt4Tile, buf + t * 512);
   }
 }
+
+constexpr int64_t kInt8Tile = 512 + 16 * 4;  // q (byte 32 p + lane), then d[16] float32
+
+// One int8 tile -> its bfloat16 tile, q d rounded once.
+inline void widen_int8_tile(const uint8_t* src, uint16_t* dst) {
+  const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+  const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(src + 512));
+  const __m512 d_lo = _mm512_permutexvar_ps(lo_cols, d), d_hi = _mm512_permutexvar_ps(hi_cols, d);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int p = 0; p < 16; ++p) {
+    const __m128i* row = reinterpret_cast<const __m128i*>(src + p * 32);
+    const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row)));
+    const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1)));
+    _mm512_storeu_si512(dst + p * 32,
+                        (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_round_ps(q_hi, d_hi, kRound),
+                                                     _mm512_mul_round_ps(q_lo, d_lo, kRound)));
+  }
+}
+
+inline void widen_int8_pair(const uint8_t* src, int64_t slices, uint16_t* buf) {
+  for (int64_t t = 0; t < slices * 2; ++t) {
+    const char* p = reinterpret_cast<const char*>(src + (t + kInt4Ahead) * kInt8Tile);
+    for (int l = 0; l < kInt8Tile; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+    widen_int8_tile(src + t * kInt8Tile, buf + t * 512);
+  }
+}
 #endif
 
 }  // namespace
@@ -315,18 +342,63 @@ at::Tensor amx_gemm_pack_int4(at::Tensor q, at::Tensor d, at::Tensor m, at::Tens
 #endif
 }
 
+at::Tensor amx_gemm_pack_int8(at::Tensor q, at::Tensor d, at::Tensor dense) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && d.dim() == 2 &&
+                  dense.dim() == 2 && dense.scalar_type() == at::kBFloat16,
+              "amx_gemm_pack_int8: q int8 [N, K], d [N, K / 32], dense bfloat16 [N, K] "
+              "expected");
+  const int64_t N = dense.size(0), K = dense.size(1);
+  TORCH_CHECK(q.sizes() == dense.sizes() && d.size(0) == N && d.size(1) * 32 == K,
+              "amx_gemm_pack_int8: q, d and the dense weight disagree on [N, K]");
+  TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "amx_gemm_pack_int8: K % 32 == 0 and N % 16 == 0");
+  const int64_t pairs = (N + 31) / 32, slices = K / 32;
+  at::Tensor packed = at::zeros({pairs * slices * 2 * 576}, q.options());
+#if KEEL_AMX
+  static_assert(kInt8Tile == 576);
+  const at::Tensor qc = q.contiguous(), df = d.to(at::kFloat).contiguous();
+  const int8_t* qp = qc.data_ptr<int8_t>();
+  const float* dp = df.data_ptr<float>();
+  auto* dst = reinterpret_cast<uint8_t*>(packed.data_ptr<int8_t>());
+  const at::Tensor ref = amx_gemm_pack(dense);
+  const auto* rp = reinterpret_cast<const uint16_t*>(ref.data_ptr<c10::BFloat16>());
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
+    std::vector<uint16_t> buf(slices * 1024);
+    for (int64_t pair = b; pair < e; ++pair) {
+      for (int64_t n = pair * 32; n < std::min(N, pair * 32 + 32); ++n) {
+        const int64_t t = (n / 16) % 2, c = n % 16;
+        for (int64_t sl = 0; sl < slices; ++sl) {
+          uint8_t* tile = dst + ((pair * slices + sl) * 2 + t) * kInt8Tile;
+          reinterpret_cast<float*>(tile + 512)[c] = dp[n * slices + sl];
+          for (int64_t kk = 0; kk < 32; ++kk)  // row kk / 2, lane 2 c + kk % 2
+            tile[kk / 2 * 32 + c * 2 + kk % 2] = static_cast<uint8_t>(qp[n * K + sl * 32 + kk]);
+        }
+      }
+      widen_int8_pair(dst + pair * slices * 2 * kInt8Tile, slices, buf.data());
+      if (std::memcmp(buf.data(), rp + pair * slices * 1024, buf.size() * 2) != 0)
+        exact = false;
+    }
+  });
+  if (!exact) return at::empty({0}, q.options());
+  return packed;
+#else
+  TORCH_CHECK(false, "amx_gemm_pack_int8: this build has no AMX-BF16 tiles");
+  return packed;
+#endif
+}
+
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,
                     bool silu_mul) {
   TORCH_CHECK(amx_gemm_available(), "amx_gemm: this build or CPU has no AMX-BF16 tiles");
-  const bool int4 = packed.scalar_type() == at::kByte;
+  const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
-                  (packed.scalar_type() == at::kBFloat16 || int4),
-              "amx_gemm: bfloat16 x [M, K] and a packed weight (amx_gemm_pack or "
-              "amx_gemm_pack_int4) expected");
+                  (packed.scalar_type() == at::kBFloat16 || int4 || int8),
+              "amx_gemm: bfloat16 x [M, K] and a packed weight (amx_gemm_pack, "
+              "amx_gemm_pack_int4 or amx_gemm_pack_int8) expected");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0 && n % 16 == 0 && n > 0, "amx_gemm: K % 32 == 0 and N % 16 == 0");
   const int64_t pairs = (n + 31) / 32, slices = K / 32;
-  TORCH_CHECK(packed.numel() == pairs * slices * (int4 ? 768 : 1024),
+  TORCH_CHECK(packed.numel() == pairs * slices * (int4 ? 768 : int8 ? 1152 : 1024),
               "amx_gemm: packed weight of another shape");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
@@ -356,8 +428,9 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
   const c10::BFloat16* bh = has_bias && bias->scalar_type() == at::kBFloat16
                                 ? bias->data_ptr<c10::BFloat16>()
                                 : nullptr;
-  if (int4) {
-    const uint8_t* wq = packed.data_ptr<uint8_t>();
+  if (int4 || int8) {
+    const auto* wq = static_cast<const uint8_t*>(packed.data_ptr());
+    const int64_t tile_bytes = int4 ? kInt4Tile : kInt8Tile;
     amx_gemm_tiles(xp, M, K, n, bf, bh, op, false, silu_mul, kWidenChunk,
                    [&](int64_t j, int64_t s0, int64_t ns) {
       // Each worker thread's widened slices (the pool's threads live as long as the
@@ -366,7 +439,10 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
       buf.resize(slices * 1024 + 32);
       const auto at = reinterpret_cast<uintptr_t>(buf.data());
       auto* tiles = reinterpret_cast<uint16_t*>((at + 63) & ~uintptr_t{63});
-      widen_int4_pair(wq + (j * slices + s0) * 2 * kInt4Tile, ns, tiles);
+      if (int4)
+        widen_int4_pair(wq + (j * slices + s0) * 2 * tile_bytes, ns, tiles);
+      else
+        widen_int8_pair(wq + (j * slices + s0) * 2 * tile_bytes, ns, tiles);
       return reinterpret_cast<const c10::BFloat16*>(tiles);
     });
   } else {

@@ -73,6 +73,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm_pack_int4", &amx_gemm_pack_int4,
         "amx_gemm's int4 copy of a weight kept as int4 in groups of 32 (empty where it does "
         "not widen to exactly the dense bfloat16 weight)");
+  m.def("amx_gemm_pack_int8", &amx_gemm_pack_int8,
+        "amx_gemm's int8 copy of a weight given as int8 in groups of 32, W = q d (empty where "
+        "it does not widen to exactly the dense bfloat16 weight)");
   m.def("amx_gemm", &amx_gemm, "bfloat16 x @ W^T (+ bias) on AMX tiles",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("silu_mul") = false);

@@ -56,6 +56,9 @@ at::Tensor amx_gemm_pack(at::Tensor weight);
 // or an empty tensor where that does not widen to exactly the bfloat16 `dense` [N, K].
 // amx_gemm takes either copy.
 at::Tensor amx_gemm_pack_int4(at::Tensor q, at::Tensor d, at::Tensor m, at::Tensor dense);
+// Likewise from int8 in groups of 32 (q int8 [N, K], d [N, K / 32]: W = q d, a GGUF Q8_0
+// tensor's numbers).
+at::Tensor amx_gemm_pack_int8(at::Tensor q, at::Tensor d, at::Tensor dense);
 // silu_mul: W's rows are a [gate; up] layer's interleaved by 16 (gate rows 16j.., then up
 // rows 16j..), and the result is silu(gate) * up [M, N / 2], as silu_and_mul of the GEMM.
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,

@@ -28,6 +28,7 @@ from torch import nn
 
 from keel.model_executor.gguf_loader import HEAD_INT8_FILE, INT4_FILE, TYPES_FILE
 from keel.model_executor.gguf_quant import INT4_TYPES, INT8_TYPES
+from keel.model_executor.layers.gemm_choice import amx_gemm_chosen
 from keel.model_executor.layers.linear import LinearBase, cpu_gemm
 from keel.model_executor.layers.quantization import (
     ALL_ROWS,
@@ -99,6 +100,12 @@ def quantize_model(model: nn.Module, method: str, folder: Path,
             head.quant = pack_int8(*_gguf_head_int8(head, folder))
             kinds[f"lm_head int8 (from {head_type})"] += 1
             quant_bytes += head.quant.nbytes
+            if head_type == "Q8_0" and head.weight.dtype == torch.bfloat16 and \
+                    amx_gemm_chosen():
+                # The file's own int8 blocks, for the AMX GEMM's copy of the head (ParallelLMHead
+                # .process_weights_after_loading); not kept after that.
+                head.q8_blocks = _q8_0_blocks(folder, "lm_head.weight" if "lm_head.weight"
+                                              in types else "model.embed_tokens.weight")
         elif method != "gguf":
             head.quant = pack_int8(*quantize_int8(head.weight.data))
             kinds["lm_head int8 (from float)"] += 1
@@ -137,6 +144,36 @@ def _gguf_head_int8(head: ParallelLMHead, folder: Path) -> tuple[torch.Tensor, t
         except OSError as e:  # a read-only cache only costs the next start this step
             logger.info("Cannot keep the quantized LM head in %s (%s).", path, e)
     return q, scale
+
+
+def q8_0_blocks_of(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A Q8_0 tensor's (q int8 [N, K], d float32 [N, K / 32]) recovered exactly from its
+    float32 values w = q d (GGUF's dequantization: d is a float16, and each block's largest
+    |q| is 127, so d = max |w| / 127 exactly), or None where w is not such a tensor."""
+    n, k = w.shape
+    if k % 32 or w.dtype != torch.float32:
+        return None
+    blocks = w.view(n, k // 32, 32)
+    d = blocks.abs().amax(-1) / 127
+    q = torch.where(d[..., None] > 0, blocks / d[..., None], 0.0).round_()
+    if not (q.abs() <= 127).all() or not torch.equal(q * d[..., None], blocks):
+        return None
+    return q.to(torch.int8).view(n, k), d
+
+
+def _q8_0_blocks(folder: Path, hf_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q8_0_blocks_of the checkpoint's float32 tensor `hf_name` (None if it is not there)."""
+    from safetensors import safe_open
+
+    from keel.model_executor.loader import weight_files
+
+    for f in weight_files(folder):
+        if f.suffix != ".safetensors":
+            continue
+        with safe_open(str(f), framework="pt") as sf:
+            if hf_name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
+                return q8_0_blocks_of(sf.get_tensor(hf_name))
+    return None
 
 
 def _int4_padded(w: torch.Tensor, group: int):

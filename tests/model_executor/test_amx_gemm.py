@@ -187,3 +187,48 @@ def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4,
     got = layer.gemm_silu(x)
     assert got.shape == (m, inter) and torch.equal(got, want)
     assert torch.equal(layer(x), linear_mod.packed_linear(x, layer.packed_weight, layer.bias))
+
+
+def q8_0_weight(n, k, g):
+    """A GGUF Q8_0 tensor's numbers: q in [-127, 127] with 127 reached in each block of 32,
+    d a float16 per block; w = q d in float32."""
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g, dtype=torch.int32)
+    q[:, :, 5] = 127 * torch.where(torch.rand(n, k // 32, generator=g) < 0.5, -1, 1)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+    return q.to(torch.int8).view(n, k), d, (q.float() * d[..., None]).view(n, k)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 48, 64), (37, 3072, 576), (64, 49152 // 16, 576)])
+def test_int8_copy_gives_the_bfloat16_copys_bits(ops, m, n, k):
+    """The int8 copy (a GGUF Q8_0 head's q and d per group of 32) likewise: the same output
+    bits as the bfloat16 copy; refused where q d does not round to the dense weight."""
+    g = torch.Generator().manual_seed(m + n)
+    q, d, w32 = q8_0_weight(n, k, g)
+    w = w32.bfloat16()
+    if not ops.amx_gemm_available():
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            ops.amx_gemm_pack_int8(q, d, w)
+        return
+    copy = ops.amx_gemm_pack_int8(q, d, w)
+    assert copy.dtype == torch.int8 and copy.numel() * 8 == ((n + 31) // 32 * 32) * k * 9
+    x = torch.randn(m, k, generator=g).bfloat16()
+    assert torch.equal(ops.amx_gemm(x, copy, n), ops.amx_gemm(x, ops.amx_gemm_pack(w), n))
+    off = w.clone()
+    off[0, 0] = off[0, 0] + 1
+    assert ops.amx_gemm_pack_int8(q, d, off).numel() == 0
+
+
+def test_q8_0_blocks_are_recovered_exactly_or_refused():
+    """quantize_model recovers a Q8_0 head's own (q, d) from its float32 values; a tensor that
+    is not q d per block of 32 gives None."""
+    from keel.model_executor.quantize_model import q8_0_blocks_of
+
+    g = torch.Generator().manual_seed(0)
+    q, d, w = q8_0_weight(64, 128, g)
+    w[3, 32:64] = 0.0  # an all-zero block: d = 0
+    q[3, 32:64] = 0
+    d[3, 1] = 0.0
+    got = q8_0_blocks_of(w)
+    assert got is not None and torch.equal(got[0], q) and torch.equal(got[1], d)
+    assert q8_0_blocks_of(torch.randn(64, 128, generator=g)) is None
+    assert q8_0_blocks_of(w[:, :100].contiguous()) is None  # K not a multiple of 32

@@ -10,6 +10,7 @@ from keel.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from keel.model_executor.layers import gemm_choice
 from keel.model_executor.layers.linear import (
     cpu_gemm,
     default_weight_loader,
@@ -61,14 +62,25 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed_by = ""  # as LinearBase's (layers/linear.py)
         self.packed_rows = 0
         self.amx_weight: torch.Tensor | None = None
+        # A GGUF Q8_0 head's own (q int8 [N, K], d [N, K / 32]), set by quantize_model where
+        # the AMX GEMM is chosen: the AMX copy is made from it, then it is dropped.
+        self.q8_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def process_weights_after_loading(self) -> None:
         """Pack for the CPU's GEMM (see gemm_choice.py). A tied weight stays: the embedding
         still looks rows up in it."""
-        if self.weight.numel():
-            # No AMX copy: at 64 x 49152 x 576 it ran at oneDNN's packed speed (2.1-2.3 ms,
-            # benchmarks/amx_kernels.py) for 56 MB more memory.
-            pack_for_cpu_gemm(self, release_dense=not self.tied, amx=False)
+        if not self.weight.numel():
+            return
+        w = self.weight.detach()
+        if self.q8_blocks is not None and w.dtype == torch.bfloat16 and self.tp_size == 1:
+            # The AMX GEMM over the file's int8 blocks (a bfloat16 copy ran at oneDNN's packed
+            # speed for 56 MB more): 64 x 49152 x 576 from memory 4.4-4.6 -> 3.3-3.5 ms
+            # (benchmarks/amx_kernels.py), where every value widens to exactly `w`.
+            copy = gemm_choice._keel_ops.amx_gemm_pack_int8(*self.q8_blocks, w)
+            if copy.numel() and gemm_choice._amx_budget(copy.numel()):
+                self.amx_weight = copy
+        self.q8_blocks = None
+        pack_for_cpu_gemm(self, release_dense=not self.tied, amx=False)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden: [n, hidden] (only the rows to be sampled) -> [n, vocab] in float32, or

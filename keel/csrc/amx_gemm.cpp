@@ -23,7 +23,9 @@
 // these models, in L2), then runs the same tile loop over it: the weight stream from memory is
 // 2.7x smaller. The packing keeps the copy only where every widened value (q d + m in float32,
 // rounded to bfloat16) is bit-identical to amx_gemm_pack of the dense weight, so both copies
-// give the same output bits.
+// give the same output bits. An int8 copy (amx_gemm_pack_int8: W = q d per group of 32, a
+// GGUF Q8_0 tensor's numbers; the default model's LM head) is the same with 512 bytes of q
+// per tile (byte 32 p + lane) and d[16]: 576 bytes per tile instead of 1,024.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -239,8 +241,7 @@ void amx_gemm_tiles(const c10::BFloat16* xp, int64_t M, int64_t K, int64_t n, co
   });
 }
 
-// A pair's bfloat16 tiles widened from its int4 copy into `buf` (slices x 2 tiles).
-// Each tile's bytes are prefetched four tiles ahead (into the next pair's, which follows in
+// Widening (widen_pair below): each tile's bytes are prefetched four tiles ahead (into the next pair's, which follows in
 // memory): 64 rows from memory 15.1 -> 13.3 ms for the default model's 120 layers, where
 // prefetching a whole pair at once stalled (17% of the GEMM's samples on the prefetches).
 constexpr int64_t kInt4Ahead = 4;
@@ -249,13 +250,6 @@ constexpr int64_t kInt4Ahead = 4;
 // 4: 10.2, 6: 10.1, 9: 11.1; the bfloat16 copy, streamed from memory, gained nothing from it).
 constexpr int64_t kWidenChunk = 3;
 
-inline void widen_int4_pair(const uint8_t* src, int64_t slices, uint16_t* buf) {
-  for (int64_t t = 0; t < slices * 2; ++t) {
-    const char* p = reinterpret_cast<const char*>(src + (t + kInt4Ahead) * kInt4Tile);
-    for (int l = 0; l < kInt4Tile; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
-    widen_int4_tile(src + t * kInt4Tile, buf + t * 512);
-  }
-}
 
 constexpr int64_t kInt8Tile = 512 + 16 * 4;  // q (byte 32 p + lane), then d[16] float32
 
@@ -276,12 +270,50 @@ inline void widen_int8_tile(const uint8_t* src, uint16_t* dst) {
   }
 }
 
-inline void widen_int8_pair(const uint8_t* src, int64_t slices, uint16_t* buf) {
+// The two quantized copies: bytes per tile, and the widening of one tile.
+struct Int4Copy {
+  static constexpr int64_t kTile = kInt4Tile;
+  static void widen(const uint8_t* src, uint16_t* dst) { widen_int4_tile(src, dst); }
+};
+struct Int8Copy {
+  static constexpr int64_t kTile = kInt8Tile;
+  static void widen(const uint8_t* src, uint16_t* dst) { widen_int8_tile(src, dst); }
+};
+
+// `slices` slices of a pair (2 tiles each) widened from its copy into `buf`.
+template <typename Copy>
+inline void widen_pair(const uint8_t* src, int64_t slices, uint16_t* buf) {
   for (int64_t t = 0; t < slices * 2; ++t) {
-    const char* p = reinterpret_cast<const char*>(src + (t + kInt4Ahead) * kInt8Tile);
-    for (int l = 0; l < kInt8Tile; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
-    widen_int8_tile(src + t * kInt8Tile, buf + t * 512);
+    const char* p = reinterpret_cast<const char*>(src + (t + kInt4Ahead) * Copy::kTile);
+    for (int l = 0; l < Copy::kTile; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+    Copy::widen(src + t * Copy::kTile, buf + t * 512);
   }
+}
+
+// Fills the copy `packed` pair by pair on torch's threads -- fill(n, sl, tile, c): weight row
+// n's slice sl of K into `tile`, where it is column c of 16 -- and keeps it only where every
+// pair widens to exactly amx_gemm_pack(dense)'s bfloat16 tiles (else an empty tensor).
+template <typename Copy, typename Fill>
+at::Tensor keep_if_exact(at::Tensor packed, const at::Tensor& dense, int64_t pairs,
+                         int64_t slices, const Fill& fill) {
+  const int64_t N = dense.size(0);
+  const at::Tensor ref = amx_gemm_pack(dense);
+  const auto* rp = reinterpret_cast<const uint16_t*>(ref.data_ptr<c10::BFloat16>());
+  auto* dst = static_cast<uint8_t*>(packed.data_ptr());
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
+    std::vector<uint16_t> buf(slices * 1024);
+    for (int64_t pair = b; pair < e; ++pair) {
+      uint8_t* bytes = dst + pair * slices * 2 * Copy::kTile;
+      for (int64_t n = pair * 32; n < std::min(N, pair * 32 + 32); ++n)
+        for (int64_t sl = 0; sl < slices; ++sl)
+          fill(n, sl, bytes + (sl * 2 + (n / 16) % 2) * Copy::kTile, n % 16);
+      widen_pair<Copy>(bytes, slices, buf.data());
+      if (std::memcmp(buf.data(), rp + pair * slices * 1024, buf.size() * 2) != 0)
+        exact = false;
+    }
+  });
+  return exact ? packed : at::empty({0}, packed.options());
 }
 #endif
 
@@ -306,36 +338,18 @@ at::Tensor amx_gemm_pack_int4(at::Tensor q, at::Tensor d, at::Tensor m, at::Tens
   const uint8_t* qp = qc.data_ptr<uint8_t>();
   const float* dp = df.data_ptr<float>();
   const float* mp = mf.data_ptr<float>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  // Keep it only where it widens to exactly amx_gemm_pack's bfloat16 tiles.
-  const at::Tensor ref = amx_gemm_pack(dense);
-  const auto* rp = reinterpret_cast<const uint16_t*>(ref.data_ptr<c10::BFloat16>());
-  std::atomic<bool> exact{true};
-  at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
-    std::vector<uint16_t> buf(slices * 1024);
-    for (int64_t pair = b; pair < e; ++pair) {
-      for (int64_t n = pair * 32; n < std::min(N, pair * 32 + 32); ++n) {
-        const int64_t t = (n / 16) % 2, c = n % 16;
-        for (int64_t sl = 0; sl < slices; ++sl) {
-          uint8_t* tile = dst + ((pair * slices + sl) * 2 + t) * kInt4Tile;
-          float* tdm = reinterpret_cast<float*>(tile + 256);
-          tdm[c] = dp[n * slices + sl];
-          tdm[16 + c] = mp[n * slices + sl];
-          for (int64_t kk = 0; kk < 32; ++kk) {
-            const int64_t k = sl * 32 + kk, byte = qp[n * (K / 2) + k / 2];
-            const uint8_t v = k % 2 ? byte >> 4 : byte & 0x0F;
-            const int64_t lane = c * 2 + kk % 2, p = kk / 2;
-            tile[p * 16 + lane % 16] |= lane < 16 ? v : static_cast<uint8_t>(v << 4);
-          }
+  return keep_if_exact<Int4Copy>(
+      packed, dense, pairs, slices, [&](int64_t n, int64_t sl, uint8_t* tile, int64_t c) {
+        float* tdm = reinterpret_cast<float*>(tile + 256);
+        tdm[c] = dp[n * slices + sl];
+        tdm[16 + c] = mp[n * slices + sl];
+        for (int64_t kk = 0; kk < 32; ++kk) {
+          const int64_t k = sl * 32 + kk, byte = qp[n * (K / 2) + k / 2];
+          const uint8_t v = k % 2 ? byte >> 4 : byte & 0x0F;
+          const int64_t lane = c * 2 + kk % 2, p = kk / 2;
+          tile[p * 16 + lane % 16] |= lane < 16 ? v : static_cast<uint8_t>(v << 4);
         }
-      }
-      widen_int4_pair(dst + pair * slices * 2 * kInt4Tile, slices, buf.data());
-      if (std::memcmp(buf.data(), rp + pair * slices * 1024, buf.size() * 2) != 0)
-        exact = false;
-    }
-  });
-  if (!exact) return at::empty({0}, q.options());
-  return packed;
+      });
 #else
   TORCH_CHECK(false, "amx_gemm_pack_int4: this build has no AMX-BF16 tiles");
   return packed;
@@ -358,29 +372,12 @@ at::Tensor amx_gemm_pack_int8(at::Tensor q, at::Tensor d, at::Tensor dense) {
   const at::Tensor qc = q.contiguous(), df = d.to(at::kFloat).contiguous();
   const int8_t* qp = qc.data_ptr<int8_t>();
   const float* dp = df.data_ptr<float>();
-  auto* dst = reinterpret_cast<uint8_t*>(packed.data_ptr<int8_t>());
-  const at::Tensor ref = amx_gemm_pack(dense);
-  const auto* rp = reinterpret_cast<const uint16_t*>(ref.data_ptr<c10::BFloat16>());
-  std::atomic<bool> exact{true};
-  at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
-    std::vector<uint16_t> buf(slices * 1024);
-    for (int64_t pair = b; pair < e; ++pair) {
-      for (int64_t n = pair * 32; n < std::min(N, pair * 32 + 32); ++n) {
-        const int64_t t = (n / 16) % 2, c = n % 16;
-        for (int64_t sl = 0; sl < slices; ++sl) {
-          uint8_t* tile = dst + ((pair * slices + sl) * 2 + t) * kInt8Tile;
-          reinterpret_cast<float*>(tile + 512)[c] = dp[n * slices + sl];
-          for (int64_t kk = 0; kk < 32; ++kk)  // row kk / 2, lane 2 c + kk % 2
-            tile[kk / 2 * 32 + c * 2 + kk % 2] = static_cast<uint8_t>(qp[n * K + sl * 32 + kk]);
-        }
-      }
-      widen_int8_pair(dst + pair * slices * 2 * kInt8Tile, slices, buf.data());
-      if (std::memcmp(buf.data(), rp + pair * slices * 1024, buf.size() * 2) != 0)
-        exact = false;
-    }
-  });
-  if (!exact) return at::empty({0}, q.options());
-  return packed;
+  return keep_if_exact<Int8Copy>(
+      packed, dense, pairs, slices, [&](int64_t n, int64_t sl, uint8_t* tile, int64_t c) {
+        reinterpret_cast<float*>(tile + 512)[c] = dp[n * slices + sl];
+        for (int64_t kk = 0; kk < 32; ++kk)  // row kk / 2, lane 2 c + kk % 2
+          tile[kk / 2 * 32 + c * 2 + kk % 2] = static_cast<uint8_t>(qp[n * K + sl * 32 + kk]);
+      });
 #else
   TORCH_CHECK(false, "amx_gemm_pack_int8: this build has no AMX-BF16 tiles");
   return packed;
@@ -440,9 +437,9 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
       const auto at = reinterpret_cast<uintptr_t>(buf.data());
       auto* tiles = reinterpret_cast<uint16_t*>((at + 63) & ~uintptr_t{63});
       if (int4)
-        widen_int4_pair(wq + (j * slices + s0) * 2 * tile_bytes, ns, tiles);
+        widen_pair<Int4Copy>(wq + (j * slices + s0) * 2 * tile_bytes, ns, tiles);
       else
-        widen_int8_pair(wq + (j * slices + s0) * 2 * tile_bytes, ns, tiles);
+        widen_pair<Int8Copy>(wq + (j * slices + s0) * 2 * tile_bytes, ns, tiles);
       return reinterpret_cast<const c10::BFloat16*>(tiles);
     });
   } else {

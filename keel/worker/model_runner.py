@@ -44,9 +44,7 @@ class ExecuteModelState(NamedTuple):
     execute_model() returns None."""
 
     scheduler_output: SchedulerOutput
-    # [num_reqs, vocab] in the LM head's dtype: sample_tokens widens it to float32 unless the
-    # step is a greedy argmax alone (a bfloat16 model's [64, 49152] float32 copy was ~1 ms).
-    logits: torch.Tensor
+    logits: torch.Tensor  # [num_reqs, vocab], the LM head's dtype (sample_tokens widens it)
     spec_decode_metadata: SpecDecodeMetadata | None  # None: no drafts this pass
     hidden_states: torch.Tensor  # [num_tokens, hidden]; the logits rows only with output_rows
     sample_hidden_states: torch.Tensor  # [num_reqs, hidden]

@@ -55,7 +55,8 @@ class SampleTokensMixin:
                 spec is None and grammar_output is None and meta.all_greedy
                 and meta.no_processing and meta.max_num_logprobs is None):
             # Anything beyond a greedy argmax reads float32 logits (the argmax of bfloat16
-            # logits is their float32 upcast's: the same tokens).
+            # logits is their float32 upcast's: the same tokens; a bfloat16 model's [64, 49152]
+            # float32 copy was ~1 ms a step).
             logits = logits.float()
             if spec is not None:
                 target_logits = target_logits.float()

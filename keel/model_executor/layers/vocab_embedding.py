@@ -74,8 +74,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         w = self.weight.detach()
         if self.q8_blocks is not None and w.dtype == torch.bfloat16 and self.tp_size == 1:
             # The AMX GEMM over the file's int8 blocks (a bfloat16 copy ran at oneDNN's packed
-            # speed for 56 MB more): 64 x 49152 x 576 from memory 4.4-4.6 -> 3.3-3.5 ms
-            # (benchmarks/amx_kernels.py), where every value widens to exactly `w`.
+            # speed for 56 MB more), where every value widens to exactly `w`: 64 x 49152 x 576
+            # from memory, oneDNN 3.5-4.6 ms, the int8 copy 3.0-3.5 (benchmarks/amx_kernels.py).
             copy = gemm_choice._keel_ops.amx_gemm_pack_int8(*self.q8_blocks, w)
             if copy.numel() and gemm_choice._amx_budget(copy.numel()):
                 self.amx_weight = copy

@@ -111,7 +111,7 @@ def main() -> None:
     print(f"step {step * 1e3:.1f} ms")
     for label, t in phase.items():
         print(f"  {label:28s} {t / n * 1e3:7.2f} ms")
-    print(f"  of which GEMMs (oneDNN, incl. LM head) {gemm:7.2f} ms")
+    print(f"  of which oneDNN GEMMs (the LM head too where it runs there) {gemm:7.2f} ms")
     for name, t in sorted(kernel_time.items(), key=lambda kv: -kv[1]):
         print(f"  of which kernel {name:22s} {t / n * 1e3:7.2f} ms")
 

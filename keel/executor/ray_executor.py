@@ -36,6 +36,7 @@ from keel.executor.multiproc import (
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.1  # how often a waiting call checks the other ranks for a dead actor
+_DEATH_GRACE_S = 3.0  # how long a failed call waits for Ray to report a dead peer
 _LOCAL_OBJECT_STORE_BYTES = 256 << 20  # keel's messages are small; the default is 30% of RAM
 
 
@@ -214,6 +215,10 @@ class RayDistributedExecutor(Executor):
                         f"Worker failed with error '{self._death}', please check the stack "
                         "trace above for the root cause") from None
                 if status != ResponseStatus.SUCCESS and rank in reply_ranks:
+                    # A rank whose peer died fails in the collective it waited in, often
+                    # before Ray reports the death: look for the dead actor first, so the
+                    # executor is marked failed instead of left to hang on the next call.
+                    self._find_dead_actor(refs, waiting)
                     raise RuntimeError(
                         f"Worker failed with error '{result}', please check the"
                         " stack trace above for the root cause")
@@ -221,6 +226,24 @@ class RayDistributedExecutor(Executor):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"No response from a worker within {timeout} s")
         return results
+
+    def _find_dead_actor(self, refs: list, waiting: dict[int, Any]) -> None:
+        """Wait up to _DEATH_GRACE_S for the calls still out; any that resolve to a dead
+        actor fail the executor and raise. Calls that finish normally are left alone."""
+        ray = self._ray
+        deadline = time.monotonic() + _DEATH_GRACE_S
+        pending = list(waiting.values())
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    self._fail(f"Ray actor of rank {refs.index(ref)} died: "
+                               f"{e.__class__.__name__}")
+                    raise RuntimeError(
+                        f"Worker failed with error '{self._death}', please check the stack "
+                        "trace above for the root cause") from None
 
     def _fail(self, why: str) -> None:
         if not self.is_failed:

@@ -4,6 +4,7 @@ collective_rpc contract as mp, the same tokens as uni, and nothing left running 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import psutil
@@ -55,6 +56,18 @@ def test_ray_tensor_parallel_equals_uni_and_surfaces_worker_errors(hf_model_dir)
                                            r"rank 1', please check the stack trace above"):
         future.result()
     assert executor.collective_rpc("get_rank") == [0, 1]  # and they go on serving
+
+    def fail_as_peer_dies(worker):
+        # Rank 0 fails first, as in a collective whose peer is gone; Ray reports rank 1's
+        # death only later. The call must still blame the death and fail the executor.
+        if worker.rank == 1:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ConnectionError("peer closed the connection")
+
+    with pytest.raises(RuntimeError, match="Ray actor of rank 1 died"):
+        executor.collective_rpc(fail_as_peer_dies)
+    assert executor.is_failed
     llm.close()
     assert_no_new_processes(before)
 

@@ -94,6 +94,10 @@ def load_model(model_config: ModelConfig) -> nn.Module:
 
         quantize_model(model, model_config.quantization_method, folder,
                        model_config.quantization_group_size)
+    elif model_config.torch_dtype == torch.bfloat16 and model_config.torch_device.type == "cpu":
+        from keel.model_executor.quantize_model import attach_gguf_amx_sources
+
+        attach_gguf_amx_sources(model, folder)  # a no-op unless keel converted the folder
     model = model.to(model_config.torch_device).eval()
     for module in model.modules():  # e.g. pack weights for the CPU GEMM (layers/gemm_choice.py)
         process = getattr(module, "process_weights_after_loading", None)

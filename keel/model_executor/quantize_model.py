@@ -117,6 +117,44 @@ def quantize_model(model: nn.Module, method: str, folder: Path,
                 quant_bytes / MiB, dense_bytes / MiB)
 
 
+def attach_gguf_amx_sources(model: nn.Module, folder: Path) -> None:
+    """A folder keel converted from a .gguf, loaded dense in bfloat16 with the AMX GEMM chosen:
+    give each linear layer whose tensors were 4-bit the file's own groups (`amx_int4`), and a
+    Q8_0 LM head its int8 blocks (`q8_blocks`). The AMX GEMM's copies are then made from them
+    where every value widens to exactly the dense bfloat16 weight (gemm_choice._amx_copy), so
+    each pass computes the same bits as the dense model while reading 0.75 (int4) or ~1.06
+    (int8) bytes a weight instead of 2. Nothing else changes: no layer becomes quantized."""
+    if not (folder / INT4_FILE).is_file() or not (folder / TYPES_FILE).is_file() \
+            or not amx_gemm_chosen():
+        return
+    from safetensors import safe_open
+
+    types = json.loads((folder / TYPES_FILE).read_text())
+    mapping = getattr(model, "stacked_params_mapping", [])
+    n = 0
+    with safe_open(str(folder / INT4_FILE), framework="pt") as int4_file:
+        for name, module in model.named_modules():
+            if not isinstance(module, LinearBase) or module.tp_size != 1 \
+                    or module.weight.dtype != torch.bfloat16 or module.weight.shape[1] % 32:
+                continue
+            sources = _sources(name, mapping)
+            if not {types.get(s, "F32") for s in sources} <= set(INT4_TYPES):
+                continue
+            pairs, scale, zero = (torch.cat([int4_file.get_tensor(f"{s}.int4_{x}")
+                                             for s in sources]) for x in ("q", "scale", "zero"))
+            module.amx_int4 = pack_int4_pairs(pairs, scale, zero, module.weight.shape[1]).keel
+            n += 1
+    head = getattr(model, "lm_head", None)
+    head_name = "lm_head.weight" if "lm_head.weight" in types else "model.embed_tokens.weight"
+    if isinstance(head, ParallelLMHead) and types.get(head_name) == "Q8_0" \
+            and head.weight.dtype == torch.bfloat16 and head.tp_size == 1:
+        head.q8_blocks = _q8_0_blocks(folder, head_name)
+    logger.info("Folder converted from a .gguf: %d layers offer their int4 groups%s to the AMX "
+                "GEMM's copies (each kept only where it widens to exactly the bfloat16 weight).",
+                n, " and the LM head its Q8_0 blocks" if head is not None
+                and getattr(head, "q8_blocks", None) is not None else "")
+
+
 def _gguf_head_int8(head: ParallelLMHead, folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_int8 of a GGUF model's LM head, kept in its cached folder after the first
     load (~0.2 s of start-up for the default model's 49,152 x 576 head; the folder is keyed

@@ -137,16 +137,46 @@ def test_quantized_layer_keeps_the_int4_copy(ops, monkeypatch):
         return
     g = torch.Generator().manual_seed(3)
     pairs, d, mins, w = int4_weight(96, 128, g)
-    layer = ColumnParallelLinear(128, 96, bias=False, dtype=torch.bfloat16)
-    layer.weight.data.copy_(w)
-    # pack_int4_pairs takes pack_int4's (scale, zero) form: zero = m + 8 d
-    layer.quant = pack_int4_pairs(pairs, d.float(), mins.float() + 8 * d.float(), 128)
-    layer.quant.max_rows = 0  # every pass on the dense side
-    layer.process_weights_after_loading()
-    assert layer.amx_weight.dtype == torch.uint8
-    assert layer.amx_weight.numel() == ops.amx_gemm_pack(w).numel() * 3 // 4
     x = torch.randn(20, 128, generator=g).bfloat16()
-    assert torch.equal(layer(x), ops.amx_gemm(x, ops.amx_gemm_pack(w), 96))
+    for faster in (True, False):  # as amx_compressed_copy_chosen measured it on this CPU
+        monkeypatch.setattr(linear_mod, "_compressed_faster", {"int4": faster})
+        layer = ColumnParallelLinear(128, 96, bias=False, dtype=torch.bfloat16)
+        layer.weight.data.copy_(w)
+        # pack_int4_pairs takes pack_int4's (scale, zero) form: zero = m + 8 d
+        layer.quant = pack_int4_pairs(pairs, d.float(), mins.float() + 8 * d.float(), 128)
+        layer.quant.max_rows = 0  # every pass on the dense side
+        layer.process_weights_after_loading()
+        if faster:
+            assert layer.amx_weight.dtype == torch.uint8
+            assert layer.amx_weight.numel() == ops.amx_gemm_pack(w).numel() * 3 // 4
+        else:
+            assert layer.amx_weight.dtype == torch.bfloat16
+        assert torch.equal(layer(x), ops.amx_gemm(x, ops.amx_gemm_pack(w), 96))
+
+
+def test_compressed_copies_are_chosen_by_measuring(ops, monkeypatch):
+    """The int4 and int8 copies are taken only where they measured faster than the bfloat16
+    copy (once per process and kind); KEEL_AMX_COMPRESSED forces the answer."""
+    if not ops.amx_gemm_available():
+        return  # no tiles: amx_gemm_chosen() is False and no copy is made (test above)
+    monkeypatch.setattr(linear_mod, "_keel_ops", ops)
+    real, calls = linear_mod._time_compressed_copy, []
+
+    def timed(kind):
+        calls.append(kind)
+        return kind == "int4"
+
+    monkeypatch.setattr(linear_mod, "_time_compressed_copy", timed)
+    monkeypatch.setattr(linear_mod, "_compressed_faster", {})
+    monkeypatch.delenv("KEEL_AMX_COMPRESSED", raising=False)
+    assert linear_mod.amx_compressed_copy_chosen("int4")
+    assert not linear_mod.amx_compressed_copy_chosen("int8")
+    assert linear_mod.amx_compressed_copy_chosen("int4") and calls == ["int4", "int8"]
+    monkeypatch.setattr(linear_mod, "_compressed_faster", {})
+    monkeypatch.setenv("KEEL_AMX_COMPRESSED", "0")
+    assert not linear_mod.amx_compressed_copy_chosen("int4") and len(calls) == 2
+    # The real measurement runs on both kinds (which answer depends on the CPU).
+    assert all(isinstance(real(kind, layers=2), bool) for kind in ("int4", "int8"))
 
 
 @pytest.mark.parametrize("m", [1, 20, 64])
@@ -162,6 +192,7 @@ def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4,
     monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
     monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1 << 30)
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
+    monkeypatch.setattr(linear_mod, "_compressed_faster", {"int4": True})
     if not ops.amx_gemm_available():
         monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
         assert not linear_mod.amx_gemm_chosen()

@@ -189,3 +189,34 @@ def test_rows_cache_is_replaced_whole(tmp_path, monkeypatch, caplog):
         cache.save()
     assert "Cannot save" in caplog.text
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["quantized_rows.json"]
+
+
+def test_converted_folder_offers_its_blocks_to_the_amx_copies(prompts, monkeypatch):
+    """The folder keel converted the default .gguf into, loaded dense in bfloat16 (as
+    dtype="auto" does on an AMX CPU): where the AMX GEMM is chosen and the compressed copies
+    measured faster, the Q4_1 layers' copies come from the file's int4 groups and the LM
+    head's from its Q8_0 blocks. No layer becomes quantized: the greedy tokens are those of
+    the bfloat16 copies (and of oneDNN's GEMM for the head), the logits too."""
+    from keel.config import resolve_model_path
+    from keel.model_executor.layers import gemm_choice
+
+    folder = str(resolve_model_path(None))
+    monkeypatch.setattr(gemm_choice, "_amx_bytes_left", 1 << 31)
+    results = {}
+    for faster in (True, False):
+        monkeypatch.setattr(gemm_choice, "_compressed_faster", {"int4": faster, "int8": faster})
+        model = load_model(ModelConfig(folder, dtype="bfloat16", device="cpu"))
+        qkv, head = model.model.layers[0].self_attn.qkv_proj, model.lm_head
+        assert qkv.quant is None and head.quant is None and qkv.amx_int4 is None
+        if gemm_choice.amx_gemm_chosen():
+            assert qkv.amx_weight.dtype == (torch.uint8 if faster else torch.bfloat16)
+            # The head has no bfloat16 AMX copy (it ran no faster than oneDNN's packed one).
+            assert (head.amx_weight.dtype if faster else head.amx_weight) == (
+                torch.int8 if faster else None)
+        else:  # no AMX GEMM here: nothing is offered, and no copy is made
+            assert qkv.amx_weight is None and head.amx_weight is None
+        results[faster] = run(model, prompts[:4])
+    # The layers' copies give the same bits (test_amx_gemm.py); the head's int8 copy and
+    # oneDNN's GEMM may sum in another order: the logits agree to float32 rounding.
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-4)
+    assert results[True][1] == results[False][1]

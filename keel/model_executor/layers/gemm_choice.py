@@ -201,6 +201,59 @@ def _amx_budget(nbytes: int) -> bool:
     return True
 
 
+_compressed_faster: dict[str, bool] = {}
+
+
+def amx_compressed_copy_chosen(kind: str) -> bool:
+    """Whether the AMX GEMM's int4 ("int4": a GGUF Q4 layer's groups, 0.75 bytes a weight) or
+    int8 ("int8": Q8_0 blocks, ~1.06) copy is faster than its bfloat16 copy on this CPU,
+    measured once per process: 64 rows through 8 layers of 1536 x 576 (14 MB in bfloat16,
+    past L2), best of 5. The copies read fewer bytes but widen every weight in registers: on
+    one Sapphire Rapids host the int4 copy took 9.6 ms for a step's layers against the
+    bfloat16 copy's 12.1, on another 16.4-17.4 against 12.0-12.2 (BENCHMARKS.md, twentieth
+    round). KEEL_AMX_COMPRESSED=0 / 1 skips the measurement."""
+    if kind not in _compressed_faster:
+        forced = os.environ.get("KEEL_AMX_COMPRESSED")
+        if forced in ("0", "1"):
+            _compressed_faster[kind] = forced == "1"
+        else:
+            _compressed_faster[kind] = _time_compressed_copy(kind)
+            logger.info("AMX GEMM on this CPU: the %s copy of a GGUF file's blocks %s", kind,
+                        "measured faster than the bfloat16 copy, and is used" if
+                        _compressed_faster[kind] else "measured no faster than the bfloat16 "
+                        "copy, which is used instead")
+    return _compressed_faster[kind]
+
+
+def _time_compressed_copy(kind: str, layers: int = 8, n: int = 1536, k: int = 576) -> bool:
+    from keel.utils import best_seconds
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, k, generator=g).bfloat16()
+    plain, compressed = [], []
+    for _ in range(layers):
+        d = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        if kind == "int4":  # Q4_1's form: q d + m, d and m float16
+            q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+            m = (-torch.rand(n, k // 32, generator=g) * 0.08).half()
+            w = (q.float().view(n, -1, 32) * d.float()[..., None] + m.float()[..., None])
+            copy = _keel_ops.amx_gemm_pack_int4(
+                (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), d, m, w.view(n, k).bfloat16())
+        else:  # Q8_0's: q d, d float16
+            q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+            w = q.float().view(n, -1, 32) * d.float()[..., None]
+            copy = _keel_ops.amx_gemm_pack_int8(q, d.float(), w.view(n, k).bfloat16())
+        if not copy.numel():
+            return False
+        plain.append(_keel_ops.amx_gemm_pack(w.view(n, k).bfloat16()))
+        compressed.append(copy)
+
+    def run(copies):
+        return lambda: [_keel_ops.amx_gemm(x, c, n) for c in copies]
+
+    return best_seconds(run(compressed), 5) < best_seconds(run(plain), 5)
+
+
 def silu_pair_order(n: int) -> torch.Tensor:
     """The rows of a [gate; up] weight (n = 2I rows, I % 16 == 0) interleaved by 16: gate rows
     0-15, up rows 0-15, gate rows 16-31, ... (amx_gemm's silu_mul form)."""
@@ -211,14 +264,17 @@ def silu_pair_order(n: int) -> torch.Tensor:
 
 def _amx_copy(module: nn.Module, w: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
     """The AMX GEMM's copy of the bfloat16 weight `w` (its rows in `order` if given): from the
-    layer's int4 groups where it keeps keel's int4 form (a GGUF file's Q4 tensors) and they
+    layer's int4 groups where it keeps keel's int4 form (a GGUF file's Q4 tensors; for a dense
+    folder keel converted from one, `amx_int4`: quantize_model.attach_gguf_amx_sources) and they
     widen to exactly `w` (0.75 bytes a weight read per pass instead of 2), else `w` in
     bfloat16 tiles."""
-    int4 = getattr(getattr(module, "quant", None), "keel", None)
+    int4 = getattr(getattr(module, "quant", None), "keel", None) or getattr(
+        module, "amx_int4", None)
     if order is not None:
         w = w[order]
         int4 = None if int4 is None else tuple(t[order] for t in int4)
-    if int4 is not None and int4[0].shape[1] * 2 == w.shape[1]:
+    if int4 is not None and int4[0].shape[1] * 2 == w.shape[1] \
+            and amx_compressed_copy_chosen("int4"):
         copy = _keel_ops.amx_gemm_pack_int4(*(t.contiguous() for t in int4), w.contiguous())
         if copy.numel():
             return copy
@@ -253,6 +309,7 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
                 module.amx_weight, module.amx_silu = copy, pairs
                 if pairs and module.bias is not None:
                     module.amx_bias = module.bias.detach()[order].contiguous()
+        module.amx_int4 = None  # a converted folder's int4 groups were only for the copy
     else:
         return
     module.packed_rows = w.shape[0]

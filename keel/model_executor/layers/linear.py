@@ -82,6 +82,9 @@ class LinearBase(nn.Module):
         self.amx_bias: torch.Tensor | None = None
         # Weights kept quantized (keel/model_executor/quantize_model.py); then no dense copy.
         self.quant: QuantizedWeight | None = None
+        # A folder converted from a .gguf: the file's int4 groups (keel's form) for the AMX
+        # copy of the dense weight, dropped once it is made (attach_gguf_amx_sources).
+        self.amx_int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for the CPU's GEMM and release the dense copy (a

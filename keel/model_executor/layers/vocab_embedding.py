@@ -72,7 +72,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         if not self.weight.numel():
             return
         w = self.weight.detach()
-        if self.q8_blocks is not None and w.dtype == torch.bfloat16 and self.tp_size == 1:
+        if self.q8_blocks is not None and w.dtype == torch.bfloat16 and self.tp_size == 1 \
+                and gemm_choice.amx_compressed_copy_chosen("int8"):
             # The AMX GEMM over the file's int8 blocks (a bfloat16 copy ran at oneDNN's packed
             # speed for 56 MB more), where every value widens to exactly `w`: 64 x 49152 x 576
             # from memory, oneDNN 3.5-4.6 ms, the int8 copy 3.0-3.5 (benchmarks/amx_kernels.py).

@@ -102,20 +102,81 @@ def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
     dtype = str(llm.engine_core.config.model_config.torch_dtype).replace("torch.", "")
     engine = Engine(llm, SamplingParams, prompts, args.max_tokens)
     # The decode step is measured at the short prompts' contexts.
-    engine.floor = lambda: decode_step_and_floor(llm, prompts["rounds"][0]["short"])
+    engine.floor = lambda: decode_step_and_floor(llm, prompts["rounds"][0]["short"],
+                                                 prompts["rounds"][0].get("long"))
     return engine, {"startup_s": startup, "dtype": dtype}
 
 
-def decode_step_and_floor(llm, prompts: list[list[int]]) -> dict:
+def decode_step_and_floor(llm, prompts: list[list[int]], long: list[list[int]] | None = None
+                          ) -> dict:
     """keel's decode step at len(prompts) requests (median and best of 16 steps once all
-    decode) and the GEMM floor of that step on this machine."""
+    decode), the GEMM floor of that step on this machine, and its memory floor: the bytes
+    the step must read (weights in the form the step reads them, and the K/V of every
+    request's context) at this machine's read rate. With `long`, the step and its memory
+    floor at those prompts' contexts too."""
+    out = _decode_step(llm, prompts)
+    model = llm.engine_core.model_executor.driver_worker.model_runner.model
+    dtype = llm.engine_core.config.model_config.torch_dtype
+    out.update(gemm_floor(model, len(prompts), dtype))
+    read_gbs = read_rate_gbs()
+    out.update(memory_floor(model, prompts, dtype, read_gbs))
+    if long:
+        step = _decode_step(llm, long)
+        out["long"] = {**step, **memory_floor(model, long, dtype, read_gbs)}
+    return out
 
+
+def read_rate_gbs(mib: int = 512) -> float:
+    """This machine's rate of reading memory with torch's threads: the best of 5 sums of a
+    `mib` MiB buffer (far past the caches), in GB/s."""
+    import torch
+
+    buf = torch.ones(mib << 18)  # float32
+    best = min(_seconds(lambda: buf.sum()) for _ in range(5))
+    return buf.numel() * 4 / best / 1e9
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def memory_floor(model, prompts: list[list[int]], dtype, read_gbs: float) -> dict:
+    """The bytes one decode step at these prompts' contexts (+8 tokens, the middle of the 16
+    steps timed) must read, and the time they take at `read_gbs`: each linear layer's and the
+    LM head's weight in the form a decode pass reads (the AMX GEMM's copy where the layer has
+    one, else the weight in the compute dtype), and every request's K and V."""
+    import torch
+
+    from keel.model_executor.layers.linear import LinearBase
+
+    weight = 0
+    for m in model.modules():
+        if isinstance(m, LinearBase) or m is getattr(model, "lm_head", None):
+            amx = getattr(m, "amx_weight", None)
+            n_out = m.output_size if isinstance(m, LinearBase) else model.config.vocab_size
+            n_in = m.input_size if isinstance(m, LinearBase) else model.config.hidden_size
+            weight += (amx.numel() * amx.element_size() if amx is not None
+                       else n_out * n_in * torch.empty(0, dtype=dtype).element_size())
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim
+                 * torch.empty(0, dtype=dtype).element_size())
+    kv = sum(len(p) + 8 for p in prompts) * per_token
+    return {"weight_mb": weight / 1e6, "kv_mb": kv / 1e6, "read_gbs": read_gbs,
+            "memory_floor_ms": (weight + kv) / read_gbs / 1e6}
+
+
+def _decode_step(llm, prompts: list[list[int]]) -> dict:
+    """The median and best of 16 decode steps once every prompt is prefilled."""
     from keel import SamplingParams
 
     core = llm.engine_core
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for i, p in enumerate(prompts):
-        request, _ = llm.input_processor.process(f"floor-{i}", {"prompt_token_ids": p}, sp)
+        request, _ = llm.input_processor.process(f"floor-{len(prompts[0])}-{i}",
+                                                 {"prompt_token_ids": p}, sp)
         core.add_request(request)
     while core.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1
                                          for r in core.scheduler.running):
@@ -127,12 +188,9 @@ def decode_step_and_floor(llm, prompts: list[list[int]]) -> dict:
         times.append(time.perf_counter() - t0)
     while core.scheduler.has_requests():
         core.step()
-    model = core.model_executor.driver_worker.model_runner.model
-    floor = gemm_floor(model, len(prompts), core.config.model_config.torch_dtype)
     # The floor is a best-of-20; the step's best of 16 is given beside its median, as this
     # machine's speed drifts within a run.
-    return {"step_ms": statistics.median(times) * 1e3, "best_step_ms": min(times) * 1e3,
-            **floor}
+    return {"step_ms": statistics.median(times) * 1e3, "best_step_ms": min(times) * 1e3}
 
 
 def gemm_floor(model, rows: int, dtype) -> dict:
@@ -506,6 +564,14 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
                   + (f" (best step {d['best_step_ms']:.1f} ms: "
                      f"{d['best_step_ms'] / d['gemm_floor_ms']:.2f}x)" if "best_step_ms" in d
                      else ""))
+            for name, m in (("short", d), ("long", d.get("long"))):
+                if m and "memory_floor_ms" in m:
+                    print(f"keel {dtype}: {name} contexts: step {m['step_ms']:.1f} ms (best "
+                          f"{m['best_step_ms']:.1f}); it reads {m['weight_mb']:.0f} MB of "
+                          f"weights + {m['kv_mb']:.0f} MB of K/V, at this machine's "
+                          f"{m['read_gbs']:.1f} GB/s {m['memory_floor_ms']:.1f} ms -> step / "
+                          f"memory floor {m['step_ms'] / m['memory_floor_ms']:.2f}x (best "
+                          f"{m['best_step_ms'] / m['memory_floor_ms']:.2f}x)")
 
 
 if __name__ == "__main__":

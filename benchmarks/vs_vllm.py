@@ -128,12 +128,23 @@ def decode_step_and_floor(llm, prompts: list[list[int]], long: list[list[int]] |
 
 def read_rate_gbs(mib: int = 512) -> float:
     """This machine's rate of reading memory with torch's threads: the best of 5 sums of a
-    `mib` MiB buffer (far past the caches), in GB/s."""
+    `mib` MiB buffer (far past the caches), in GB/s. The buffer is its own mapping, returned
+    to the system after (keel's worker has malloc keep freed memory: a torch tensor this size
+    stayed resident, and with every engine resident the machine ran out of memory)."""
+    import mmap
+
     import torch
 
-    buf = torch.ones(mib << 18)  # float32
-    best = min(_seconds(lambda: buf.sum()) for _ in range(5))
-    return buf.numel() * 4 / best / 1e9
+    mm = mmap.mmap(-1, mib << 20)
+    try:
+        buf = torch.frombuffer(mm, dtype=torch.float32)
+        buf.fill_(1.0)
+        best = min(_seconds(lambda: buf.sum()) for _ in range(5))
+        n = buf.numel()
+        del buf
+    finally:
+        mm.close()
+    return n * 4 / best / 1e9
 
 
 def _seconds(fn) -> float:

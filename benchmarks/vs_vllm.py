@@ -139,18 +139,16 @@ def read_rate_gbs(mib: int = 512) -> float:
     try:
         buf = torch.frombuffer(mm, dtype=torch.float32)
         buf.fill_(1.0)
-        best = min(_seconds(lambda: buf.sum()) for _ in range(5))
-        n = buf.numel()
-        del buf
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            buf.sum()
+            times.append(time.perf_counter() - t0)
+        best, n = min(times), buf.numel()
+        del buf  # the mapping cannot close while a tensor holds it
     finally:
         mm.close()
     return n * 4 / best / 1e9
-
-
-def _seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def memory_floor(model, prompts: list[list[int]], dtype, read_gbs: float) -> dict:

@@ -28,7 +28,7 @@ from torch import nn
 
 from keel.model_executor.gguf_loader import HEAD_INT8_FILE, INT4_FILE, TYPES_FILE
 from keel.model_executor.gguf_quant import INT4_TYPES, INT8_TYPES
-from keel.model_executor.layers.gemm_choice import amx_gemm_chosen
+from keel.model_executor.layers.gemm_choice import amx_compressed_copy_chosen, amx_gemm_chosen
 from keel.model_executor.layers.linear import LinearBase, cpu_gemm
 from keel.model_executor.layers.quantization import (
     ALL_ROWS,
@@ -101,7 +101,7 @@ def quantize_model(model: nn.Module, method: str, folder: Path,
             kinds[f"lm_head int8 (from {head_type})"] += 1
             quant_bytes += head.quant.nbytes
             if head_type == "Q8_0" and head.weight.dtype == torch.bfloat16 and \
-                    amx_gemm_chosen():
+                    amx_gemm_chosen() and amx_compressed_copy_chosen("int8"):
                 # The file's own int8 blocks, for the AMX GEMM's copy of the head (ParallelLMHead
                 # .process_weights_after_loading); not kept after that.
                 head.q8_blocks = _q8_0_blocks(folder, "lm_head.weight" if "lm_head.weight"
@@ -132,27 +132,32 @@ def attach_gguf_amx_sources(model: nn.Module, folder: Path) -> None:
     types = json.loads((folder / TYPES_FILE).read_text())
     mapping = getattr(model, "stacked_params_mapping", [])
     n = 0
-    with safe_open(str(folder / INT4_FILE), framework="pt") as int4_file:
-        for name, module in model.named_modules():
-            if not isinstance(module, LinearBase) or module.tp_size != 1 \
-                    or module.weight.dtype != torch.bfloat16 or module.weight.shape[1] % 32:
-                continue
-            sources = _sources(name, mapping)
-            if not {types.get(s, "F32") for s in sources} <= set(INT4_TYPES):
-                continue
-            pairs, scale, zero = (torch.cat([int4_file.get_tensor(f"{s}.int4_{x}")
-                                             for s in sources]) for x in ("q", "scale", "zero"))
-            module.amx_int4 = pack_int4_pairs(pairs, scale, zero, module.weight.shape[1]).keel
-            n += 1
+    # Only what a chosen copy takes is read (amx_compressed_copy_chosen measures once).
+    if amx_compressed_copy_chosen("int4"):
+        with safe_open(str(folder / INT4_FILE), framework="pt") as int4_file:
+            for name, module in model.named_modules():
+                if not isinstance(module, LinearBase) or module.tp_size != 1 \
+                        or module.weight.dtype != torch.bfloat16 or module.weight.shape[1] % 32:
+                    continue
+                sources = _sources(name, mapping)
+                if not {types.get(s, "F32") for s in sources} <= set(INT4_TYPES):
+                    continue
+                pairs, scale, zero = (torch.cat([int4_file.get_tensor(f"{s}.int4_{x}")
+                                                 for s in sources])
+                                      for x in ("q", "scale", "zero"))
+                module.amx_int4 = pack_int4_pairs(pairs, scale, zero,
+                                                  module.weight.shape[1]).keel
+                n += 1
     head = getattr(model, "lm_head", None)
     head_name = "lm_head.weight" if "lm_head.weight" in types else "model.embed_tokens.weight"
     if isinstance(head, ParallelLMHead) and types.get(head_name) == "Q8_0" \
-            and head.weight.dtype == torch.bfloat16 and head.tp_size == 1:
+            and head.weight.dtype == torch.bfloat16 and head.tp_size == 1 \
+            and amx_compressed_copy_chosen("int8"):
         head.q8_blocks = _q8_0_blocks(folder, head_name)
     logger.info("Folder converted from a .gguf: %d layers offer their int4 groups%s to the AMX "
                 "GEMM's copies (each kept only where it widens to exactly the bfloat16 weight).",
-                n, " and the LM head its Q8_0 blocks" if head is not None
-                and getattr(head, "q8_blocks", None) is not None else "")
+                n, " and the LM head its Q8_0 blocks" if getattr(head, "q8_blocks", None)
+                is not None else "")
 
 
 def _gguf_head_int8(head: ParallelLMHead, folder: Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,8 +141,7 @@ def _first_faster(a: tuple, b: tuple, rounds: int = 3) -> bool:
 
 
 def _time_packed_gemm(dtype: torch.dtype, kernel: str = "onednn", rows: int = 64,
-                      n: int = 1536, k: int = 576,
-) -> float:
+                      n: int = 1536, k: int = 576) -> float:
     """Best of 10 packed GEMMs at a decode-sized shape (the default model's gate_up)."""
     from keel.utils import best_seconds
 
@@ -223,10 +222,10 @@ def amx_compressed_copy_chosen(kind: str) -> bool:
     """Whether the AMX GEMM's int4 ("int4": a GGUF Q4 layer's groups, 0.75 bytes a weight) or
     int8 ("int8": Q8_0 blocks, ~1.06) copy is faster than its bfloat16 copy on this CPU,
     measured once per process: 64 rows through 8 layers of 1536 x 576 (14 MB in bfloat16,
-    past L2), best of 8 alternated, and kept only if 3% faster. The copies read fewer bytes but widen every weight in registers: on
-    one Sapphire Rapids host the int4 copy took 9.6 ms for a step's layers against the
-    bfloat16 copy's 12.1, on another 16.4-17.4 against 12.0-12.2 (BENCHMARKS.md, twentieth
-    round). KEEL_AMX_COMPRESSED=0 / 1 skips the measurement."""
+    past L2), best of 8 alternated, and chosen only if 3% faster. The copies read fewer bytes
+    but widen every weight in registers: on one AMX host the int4 copy took 9.6 ms for a
+    step's layers against the bfloat16 copy's 12.1, on another 16.4-17.4 against 12.0-12.2
+    (BENCHMARKS.md, twentieth round). KEEL_AMX_COMPRESSED=0 / 1 skips the measurement."""
     if kind not in _compressed_faster:
         forced = os.environ.get("KEEL_AMX_COMPRESSED")
         if forced in ("0", "1"):

@@ -157,9 +157,11 @@ def test_quantized_layer_keeps_the_int4_copy(ops, monkeypatch):
 def test_compressed_copies_are_chosen_by_measuring(ops, monkeypatch):
     """The int4 and int8 copies are taken only where they measured faster than the bfloat16
     copy (once per process and kind); KEEL_AMX_COMPRESSED forces the answer."""
-    if not ops.amx_gemm_available():
-        return  # no tiles: amx_gemm_chosen() is False and no copy is made (test above)
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
+    if not ops.amx_gemm_available():  # no tiles: no AMX GEMM, so no copy of either kind
+        monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
+        assert not linear_mod.amx_gemm_chosen()
+        return
     real, calls = linear_mod._time_compressed_copy, []
 
     def timed(kind):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -129,15 +130,22 @@ def _first_faster(a: tuple, b: tuple, rounds: int = 3) -> bool:
     tenant's work can slow one side's only window: measured one after the other, the AMX GEMM
     once lost to oneDNN (140 us against 93 a minute later), and the choice holds for the
     process."""
-    def timed(dtype: torch.dtype, kernel: str | None = None) -> float:
-        return _time_packed_gemm(dtype) if kernel is None else _time_packed_gemm(
-            dtype, kernel=kernel)
+    def timed(dtype: torch.dtype, kernel: str | None = None) -> Callable[[], float]:
+        return lambda: (_time_packed_gemm(dtype) if kernel is None
+                        else _time_packed_gemm(dtype, kernel=kernel))
 
+    return _faster(timed(*a), timed(*b), rounds)
+
+
+def _faster(time_a: Callable[[], float], time_b: Callable[[], float], rounds: int,
+            margin: float = 1.0) -> bool:
+    """Whether a is faster than b (by `margin`): each timing called `rounds` times, in turn,
+    the best of each kept."""
     ta = tb = float("inf")
     for _ in range(rounds):
-        ta = min(ta, timed(*a))
-        tb = min(tb, timed(*b))
-    return ta < tb
+        ta = min(ta, time_a())
+        tb = min(tb, time_b())
+    return ta < margin * tb
 
 
 def _time_packed_gemm(dtype: torch.dtype, kernel: str = "onednn", rows: int = 64,
@@ -267,12 +275,9 @@ def _time_compressed_copy(kind: str, layers: int = 8, n: int = 1536, k: int = 57
 
     # Alternated, best of 8 each (this machine's speed drifts), and faster by 3% at least:
     # the bfloat16 copy is the plain path.
-    fast, slow = float("inf"), float("inf")
     run(compressed)(), run(plain)()  # warm-up
-    for _ in range(8):
-        fast = min(fast, best_seconds(run(compressed), 1, warmup=False))
-        slow = min(slow, best_seconds(run(plain), 1, warmup=False))
-    return fast < 0.97 * slow
+    return _faster(lambda: best_seconds(run(compressed), 1, warmup=False),
+                   lambda: best_seconds(run(plain), 1, warmup=False), 8, margin=0.97)
 
 
 def silu_pair_order(n: int) -> torch.Tensor:

@@ -96,14 +96,17 @@ inline v8 scores8(const float* q, const T* k, int64_t D) {
 
 // The next chunk's K and V runs, a few lines at a time, spread over this chunk's work: the
 // hardware prefetchers stop at 4 KiB pages and a burst of a whole chunk's prefetches stalled
-// the core (measured: 1.1-1.2x on a 64-request decode over 300-930 keys).
+// the core (measured: 1.1-1.2x on a 64-request decode over 300-930 keys). Locality 2 fetches
+// into L2 (float32: a chunk's 48 KB would crowd L1), 3 into L1 (bfloat16's 24 KB: 3-10%
+// faster from memory than into L2, twenty-first round).
+template <int Locality>
 struct Prefetcher {
   const char* run[2 * kChunkBlocks];
   int runs = 0, i = 0, lines = 0;
   int64_t off = 0, bytes = 0;
   inline void step() {
     for (int l = 0; l < lines && i < runs; ++l) {
-      __builtin_prefetch(run[i] + off, 0, 2);
+      __builtin_prefetch(run[i] + off, 0, Locality);
       if ((off += 64) >= bytes) off = 0, ++i;
     }
   }
@@ -148,72 +151,241 @@ inline void values_tile(const float* p, int64_t p_stride, const T* const* vblk, 
 #endif
 
 #if KEEL_BF16_DOT
-// bfloat16 on a CPU with AVX512-BF16: scores by bfloat16 dot products (`vdpbf16ps`: the exact
-// products of pairs, summed in float32) and values widened 16 at a time. The general path
-// widens every key once per query head, 8 at a time: there a bfloat16 decode step was
-// compute-bound (11 GB/s of K/V read against float32's 18; BENCHMARKS.md, seventeenth round).
+// bfloat16 on a CPU with AVX512-BF16 (`decode_row_bf16`): both products by bfloat16 dot
+// products (`vdpbf16ps`: exact products of pairs, summed in float32). The general path
+// widens every key and value to float once per query head, 8 at a time: there a bfloat16
+// decode step was compute-bound (11 GB/s of K/V read against float32's 18; BENCHMARKS.md,
+// seventeenth round), and so was a first form of this one that kept the values in float
+// (~13 GB/s from L3 as from memory; twenty-first round).
+using bf16 = c10::BFloat16;
 
-inline __m512 widen16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+inline __m512 loadbh(const bf16* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+inline __m512 dp(__m512 acc, __m512 a, __m512 b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 
-// Scores of 8 consecutive keys (rows of D elements, D % 32 == 0) against one query head q,
-// unscaled.
-inline v8 scores8_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D) {
-  __m512 a[8];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < D; c += 32) {
-    const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + c);
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i)
-      a[i] = _mm512_dpbf16_ps(a[i], qc, (__m512bh)_mm512_loadu_si512(k + i * D + c));
-  }
-  v8 h[8];
+// 16 accumulators, one per key, of 16 partial sums each -> lane i: the sum of a[i]'s lanes.
+// In-lane pair sums (vshufps) take 16 vectors to 8 and then 4, where group k of c[m] holds
+// lane group k's partial sums of keys 4m..4m+3; two levels over 128-bit groups finish it.
+// 45 shuffles and adds for 16 sums, against 80 for two trees over 8.
+inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i)
-    h[i] = (v8)_mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
-  return reduce8(h);
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xDD));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xDD));
+  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                                  _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                                  _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
 }
 
-// values_tile for bfloat16 values, 32 dims from d0 in two 16-lane registers per query head.
-template <int GT>
-inline void values_tile_bf16(const float* p, int64_t p_stride, const c10::BFloat16* const* vblk,
-                             int64_t bs, int64_t D, int64_t d0, int64_t lo, int64_t hi,
-                             float* acc, int64_t acc_stride) {
-  __m512 a[GT][2];
-#pragma GCC unroll 4
-  for (int g = 0; g < GT; ++g) {
-    a[g][0] = _mm512_loadu_ps(acc + g * acc_stride);
-    a[g][1] = _mm512_loadu_ps(acc + g * acc_stride + 16);
-  }
-  for (int64_t bi = lo / bs; bi * bs < hi; ++bi) {
-    const int64_t t0 = std::max<int64_t>(lo - bi * bs, 0), t1 = std::min(hi - bi * bs, bs);
-    const c10::BFloat16* vb = vblk[bi] + d0;
-    const float* pb = p + bi * bs;
-    for (int64_t t = t0; t < t1; ++t) {
-      const __m512 v0 = widen16(vb + t * D), v1 = widen16(vb + t * D + 16);
-#pragma GCC unroll 4
-      for (int g = 0; g < GT; ++g) {
-        const __m512 pg = _mm512_set1_ps(pb[g * p_stride + t]);
-        a[g][0] = _mm512_fmadd_ps(pg, v0, a[g][0]);
-        a[g][1] = _mm512_fmadd_ps(pg, v1, a[g][1]);
-      }
+// Scores of 16 keys (rows of D elements, D % 32 == 0: keys 0-7 from k0, 8-15 from k1, which
+// may lie in different blocks) against one query head q, unscaled.
+inline __m512 scores16_bf16(const bf16* q, const bf16* k0, const bf16* k1, int64_t D) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 32) {
+    const __m512 qc = loadbh(q + c);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      a[i] = dp(a[i], qc, loadbh(k0 + i * D + c));
+      a[8 + i] = dp(a[8 + i], qc, loadbh(k1 + i * D + c));
     }
   }
+  return reduce16(a);
+}
+
+// acc[GT query heads][32 * NV dims from d0] += sum over the keys j of p[g][j] * v[j], two
+// keys at a time: rows j and j + 1 interleaved by 16-bit lanes (vpunpck{l,h}wd) are the pairs
+// that one `vdpbf16ps` with (p[g][j], p[g][j + 1]) broadcast adds in. The accumulators keep
+// that interleaved order: of 32 dims at d, the first vector holds dims d + 8k + (0..3) in
+// lanes 4k + (0..3), the second dims d + 8k + (4..7) (`unscramble` puts them back). `pp` is
+// p in bfloat16, [G][span]; keys j in [lo, hi) are visible, the others weigh 0 and their rows
+// (possibly never written) are replaced by `zero`.
+template <int GT, int NV>
+inline void values_pairs(const uint16_t* pp, int64_t span, const bf16* const* vblk, int64_t bs,
+                         int64_t D, int64_t d0, int64_t lo, int64_t hi, const bf16* zero,
+                         float* acc, int64_t acc_stride, Prefetcher<3>& pf) {
+  __m512 a[GT][2 * NV];
 #pragma GCC unroll 4
-  for (int g = 0; g < GT; ++g) {
-    _mm512_storeu_ps(acc + g * acc_stride, a[g][0]);
-    _mm512_storeu_ps(acc + g * acc_stride + 16, a[g][1]);
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < 2 * NV; ++c) a[g][c] = _mm512_loadu_ps(acc + g * acc_stride + 16 * c);
+  auto pair = [&](const bf16* r0, const bf16* r1, int64_t j) {
+    __m512i x[2 * NV];
+#pragma GCC unroll 2
+    for (int c = 0; c < NV; ++c) {
+      const __m512i u = _mm512_loadu_si512(r0 + 32 * c), v = _mm512_loadu_si512(r1 + 32 * c);
+      x[2 * c] = _mm512_unpacklo_epi16(u, v);
+      x[2 * c + 1] = _mm512_unpackhi_epi16(u, v);
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < GT; ++g) {
+      int32_t w;
+      std::memcpy(&w, pp + g * span + j, sizeof(w));
+      const __m512 pw = _mm512_castsi512_ps(_mm512_set1_epi32(w));
+#pragma GCC unroll 4
+      for (int c = 0; c < 2 * NV; ++c) a[g][c] = dp(a[g][c], pw, _mm512_castsi512_ps(x[c]));
+    }
+  };
+  const int64_t lo2 = lo + (lo & 1), hi2 = hi - (hi & 1);  // whole visible pairs [lo2, hi2)
+  if (lo & 1) pair(zero, vblk[lo / bs] + (lo % bs) * D + d0, lo - 1);
+  for (int64_t bi = lo2 / bs; bi * bs < hi2; ++bi) {
+    pf.step();
+    const int64_t t0 = std::max<int64_t>(lo2 - bi * bs, 0), t1 = std::min(hi2 - bi * bs, bs);
+    const bf16* vb = vblk[bi] + d0;
+    for (int64_t t = t0; t < t1; t += 2) pair(vb + t * D, vb + (t + 1) * D, bi * bs + t);
   }
+  if (hi & 1) pair(vblk[(hi - 1) / bs] + ((hi - 1) % bs) * D + d0, zero, hi - 1);
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < 2 * NV; ++c) _mm512_storeu_ps(acc + g * acc_stride + 16 * c, a[g][c]);
+}
+
+// 32 dims of an accumulator in values_pairs' order, back in order and scaled: out[0..31].
+inline void unscramble(const float* acc, float scale, bf16* out) {
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                       30, 31);
+  const __m512 lo = _mm512_loadu_ps(acc), hi = _mm512_loadu_ps(acc + 16), s = _mm512_set1_ps(scale);
+  const __m512 y0 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, i0, hi), s);
+  const __m512 y1 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, i1, hi), s);
+  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(y1, y0));
 }
 #endif
-constexpr bool kBf16Dot = KEEL_BF16_DOT;
 
 struct Scratch {
   std::vector<float> q, acc, m, l, s;
+  std::vector<uint16_t> p;        // decode_row_bf16: a chunk's weights in bfloat16
+  std::vector<c10::BFloat16> zero;  // decode_row_bf16: a row of D zeros
 };
+
+#if KEEL_BF16_DOT
+// decode_row for bfloat16 on a CPU with AVX512-BF16: the same chunks, online softmax and
+// prefetch, with scores 16 keys at a time (scores16_bf16) and values two keys at a time
+// (values_pairs). The weights p are rounded to bfloat16 for the value products, as torch's
+// CPU flash attention does for a bfloat16 query, and the softmax's sum adds the rounded
+// weights, so a row's output is a convex combination of its values. Needs D % 32 == 0 and
+// block_size % 8 == 0 (a chunk is then a whole number of 16-key groups).
+void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const int32_t* row,
+                     int64_t bs, int64_t block_elems, int64_t start, int64_t len, int64_t h0,
+                     int64_t h1, int64_t G, int64_t D, float scale, bf16* out, Scratch& w) {
+  const int64_t nh = h1 - h0, nq = nh * G, run = bs * D;  // run: one head's keys of a block
+  const int64_t cb = std::max<int64_t>(1, kChunkKeys / bs), span = cb * bs;  // span % 16 == 0
+  const float ninf = -std::numeric_limits<float>::infinity();
+  w.acc.assign(nq * D, 0.f);
+  w.m.assign(nq, ninf);
+  w.l.assign(nq, 0.f);
+  w.s.resize(G * span);
+  w.p.resize(G * span);
+  w.zero.assign(D, bf16(0.f));
+  const int64_t b_end = (len + bs - 1) / bs;
+  const int64_t nv = D % 64 == 0 ? 2 : 1, tiles = (G + 3) / 4 * (D / (32 * nv));
+  const int64_t steps = nh * (G * span / 16 + tiles * cb);  // pf.step() per chunk
+  float* s = w.s.data();
+  uint16_t* pp = w.p.data();
+  const __m512 ones = _mm512_castsi512_ps(_mm512_set1_epi16(0x3F80));  // bfloat16 1.0
+  Prefetcher<3> pf;
+  pf.bytes = nh * run * static_cast<int64_t>(sizeof(bf16));
+  const bf16* kblk[kChunkBlocks];
+  const bf16* vblk[kChunkBlocks];
+  for (int64_t b = start / bs; b < b_end; b += cb) {
+    const int64_t nb = std::min(cb, b_end - b), next = std::min(cb, b_end - b - nb);
+    for (int64_t i = 0; i < next; ++i) {
+      const int64_t o = static_cast<int64_t>(row[b + nb + i]) * block_elems + h0 * run;
+      pf.run[2 * i] = reinterpret_cast<const char*>(k_ptr + o);
+      pf.run[2 * i + 1] = reinterpret_cast<const char*>(v_ptr + o);
+    }
+    pf.runs = static_cast<int>(2 * next), pf.i = 0, pf.off = 0;
+    pf.lines = static_cast<int>((pf.runs * pf.bytes / 64 + steps - 1) / steps);
+    // Keys [lo, hi) of the chunk are visible; scores are computed 16 at a time over [lo16, hi16).
+    const int64_t lo = std::max(start, b * bs) - b * bs, hi = std::min(len, (b + nb) * bs) - b * bs;
+    const int64_t lo16 = lo / 16 * 16, hi16 = (hi + 15) / 16 * 16;
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t i = 0; i < nb; ++i) {
+        const int64_t o = static_cast<int64_t>(row[b + i]) * block_elems + h * run;
+        kblk[i] = k_ptr + o;
+        vblk[i] = v_ptr + o;
+      }
+      const int64_t x0 = (h - h0) * G;
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s + g * span;
+        __m512 mv = _mm512_set1_ps(w.m[x0 + g]);
+        for (int64_t j = lo16; j < hi16; j += 16) {
+          pf.step();
+          const bf16* k0 = kblk[j / bs] + (j % bs) * D;
+          const bf16* k1 = kblk[(j + 8) / bs] + ((j + 8) % bs) * D;
+          __m512 e = _mm512_mul_ps(scores16_bf16(q + (x0 + g) * D, k0, k1, D),
+                                   _mm512_set1_ps(scale));
+          // Lanes of keys outside [lo, hi) are -inf (their rows may hold anything).
+          const int64_t a = std::clamp<int64_t>(lo - j, 0, 16), z = std::clamp<int64_t>(hi - j, 0, 16);
+          const __mmask16 keep = static_cast<__mmask16>(((1u << z) - 1) & ~((1u << a) - 1));
+          e = _mm512_mask_mov_ps(_mm512_set1_ps(ninf), keep, e);
+          _mm512_storeu_ps(sg + j, e);
+          mv = _mm512_max_ps(mv, e);
+        }
+        // Online softmax: the running maximum m, sum l, and the accumulator rescaled when
+        // the maximum grows.
+        const float mx = _mm512_reduce_max_ps(mv);
+        const float alpha = std::exp(w.m[x0 + g] - mx);  // 0 on the first chunk
+        w.m[x0 + g] = mx;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = lo16; j < hi16; j += 16) {
+          const __m512 e = _mm512_loadu_ps(sg + j);
+          const __mmask16 live = _mm512_cmp_ps_mask(e, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
+          const v16 x = (v16)_mm512_sub_ps(e, _mm512_set1_ps(mx));
+          const __m512 pf32 = _mm512_maskz_mov_ps(live, (__m512)keel::expv(x));
+          const __m256bh pb = _mm512_cvtneps_pbh(pf32);
+          std::memcpy(pp + g * span + j, &pb, sizeof(pb));
+          // The rounded weights, summed: pairs of (p, 1.0) products.
+          sum = dp(sum, _mm512_castsi512_ps(_mm512_zextsi256_si512((__m256i)pb)), ones);
+        }
+        w.l[x0 + g] = w.l[x0 + g] * alpha + _mm512_reduce_add_ps(sum);
+        if (alpha != 1.f) {
+          float* a = w.acc.data() + (x0 + g) * D;
+          const __m512 al = _mm512_set1_ps(alpha);
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), al));
+        }
+      }
+      float* a = w.acc.data() + x0 * D;
+      for (int64_t g = 0; g < G; g += 4)  // up to 4 query heads, 32 or 64 dims at a time
+        for (int64_t d = 0; d < D; d += 32 * nv) {
+          const uint16_t* pg = pp + g * span;
+          float* ag = a + g * D + d;
+          const int gt = static_cast<int>(std::min<int64_t>(G - g, 4));
+#define KEEL_VALUES(GT, NV) \
+  values_pairs<GT, NV>(pg, span, vblk, bs, D, d, lo, hi, w.zero.data(), ag, D, pf)
+          if (nv == 2) {
+            switch (gt) {
+              case 4: KEEL_VALUES(4, 2); break;
+              case 3: KEEL_VALUES(3, 2); break;
+              case 2: KEEL_VALUES(2, 2); break;
+              default: KEEL_VALUES(1, 2);
+            }
+          } else {
+            switch (gt) {
+              case 4: KEEL_VALUES(4, 1); break;
+              case 3: KEEL_VALUES(3, 1); break;
+              case 2: KEEL_VALUES(2, 1); break;
+              default: KEEL_VALUES(1, 1);
+            }
+          }
+#undef KEEL_VALUES
+        }
+    }
+  }
+  for (int64_t x = 0; x < nq; ++x)
+    for (int64_t d = 0; d < D; d += 32)
+      unscramble(w.acc.data() + x * D + d, 1.f / w.l[x], out + x * D + d);
+}
+#endif
 
 // One query row against its request's KV heads [h0, h1) (the G query heads of each), in one
 // pass over its keys: chunks of kChunkKeys keys (whole blocks), each chunk's keys and values
@@ -231,16 +403,14 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
   w.m.assign(nq, ninf);
   w.l.assign(nq, 0.f);
   w.s.resize(G * span);
-  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16>;  // scores from q
-  if constexpr (!bf16_dot)
-    for (int64_t x = 0; x < nq; ++x)
-      for (int64_t d = 0; d < D; d += 8)
-        store8(w.q.data() + x * D + d, load8(q + x * D + d) * scale);
+  for (int64_t x = 0; x < nq; ++x)
+    for (int64_t d = 0; d < D; d += 8)
+      store8(w.q.data() + x * D + d, load8(q + x * D + d) * scale);
   const int64_t b_end = (len + bs - 1) / bs;
-  const int64_t tiles = bf16_dot ? (G + 3) / 4 : (G + 1) / 2;
+  const int64_t tiles = (G + 1) / 2;
   const int64_t steps = nh * (G * span / 8 + tiles * D / 32);  // pf.step() per chunk
   float* s = w.s.data();
-  Prefetcher pf;
+  Prefetcher<2> pf;
   pf.bytes = nh * run * static_cast<int64_t>(sizeof(T));
   const T* kblk[kChunkBlocks];
   const T* vblk[kChunkBlocks];
@@ -267,13 +437,6 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
         float* sg = s + g * span;
         for (int64_t j = lo8; j < hi8; j += 8) {
           pf.step();
-#if KEEL_BF16_DOT
-          if constexpr (std::is_same_v<T, c10::BFloat16>) {
-            store8(sg + j, scores8_bf16(q + (x0 + g) * D, kblk[j / bs] + (j % bs) * D, D) *
-                               keel::splat8(scale));
-            continue;
-          }
-#endif
           store8(sg + j, scores8(w.q.data() + (x0 + g) * D, kblk[j / bs] + (j % bs) * D, D));
         }
         for (int64_t j = lo8; j < lo; ++j) sg[j] = ninf;
@@ -303,22 +466,6 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
         }
       }
       float* a = w.acc.data() + x0 * D;
-#if KEEL_BF16_DOT
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        for (int64_t g = 0; g < G; g += 4)  // up to 4 query heads: 8 accumulators
-          for (int64_t d = 0; d < D; d += 32) {
-            pf.step();
-            float* ag = a + g * D + d;
-            switch (std::min<int64_t>(G - g, 4)) {
-              case 4: values_tile_bf16<4>(s + g * span, span, vblk, bs, D, d, lo, hi, ag, D); break;
-              case 3: values_tile_bf16<3>(s + g * span, span, vblk, bs, D, d, lo, hi, ag, D); break;
-              case 2: values_tile_bf16<2>(s + g * span, span, vblk, bs, D, d, lo, hi, ag, D); break;
-              default: values_tile_bf16<1>(s + g * span, span, vblk, bs, D, d, lo, hi, ag, D);
-            }
-          }
-        continue;
-      }
-#endif
       for (int64_t g = 0; g < G; g += 2)
         for (int64_t d = 0; d < D; d += 32) {
           pf.step();
@@ -370,6 +517,14 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       if (n <= 0) continue;
       const int32_t* row = bt + (rows != nullptr ? rows[r] : r) * max_blocks;
       if (fast) {
+#if KEEL_BF16_DOT
+        if constexpr (std::is_same_v<T, bf16>) {
+          decode_row_bf16(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
+                          start, len, hk, hk + hpi, G, D, static_cast<float>(scale),
+                          o_ptr + (r * H + hk * G) * D, w);
+          continue;
+        }
+#endif
         decode_row<T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
                       start, len, hk, hk + hpi, G, D, static_cast<float>(scale),
                       o_ptr + (r * H + hk * G) * D, w);

@@ -34,10 +34,12 @@ def dense_reference(q_seqs, k_seqs, v_seqs, q_lens, scale, window):
     return torch.cat(outs)
 
 
-def run_case(seq_lens, q_lens, heads, kv_heads, head_dim, dtype, window, block_size=4):
+def run_case(seq_lens, q_lens, heads, kv_heads, head_dim, dtype, window, block_size=4,
+             fill=0.0):
     g = torch.Generator().manual_seed(0)
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 3
-    cache = torch.zeros(2, num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
+    # Slots no request has written hold `fill` (a real cache's hold whatever was there).
+    cache = torch.full((2, num_blocks, kv_heads, block_size, head_dim), fill, dtype=dtype)
     # Scatter the blocks (shuffled) so the block table matters.
     perm = torch.randperm(num_blocks, generator=g).tolist()
     max_blocks = max(math.ceil(s / block_size) for s in seq_lens)
@@ -185,12 +187,13 @@ def test_long_chunk_kernel_by_measuring(monkeypatch):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("heads, kv_heads, head_dim",
                          [(8, 2, 40), (9, 3, 64), (4, 1, 128), (16, 1, 32)])
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4, 8, 16])
 def test_decode_rows(monkeypatch, use_kernel, window, dtype, tol, heads, kv_heads, head_dim,
                      block_size):
-    """Head sizes 32, 64 and 128 with blocks of 16 take the kernel's chunked online-softmax
-    path (`decode_row`: contexts across several chunks, windows starting mid-block, groups of
-    1-16 query heads), head size 40 or blocks of 4 its plain loop."""
+    """Head sizes 32, 64 and 128 with blocks of 8 or 16 take the kernel's chunked
+    online-softmax path (`decode_row`, or `decode_row_bf16` for bfloat16 on a CPU with
+    AVX512-BF16: contexts across several chunks, windows starting mid-block, odd first and
+    last keys, groups of 1-16 query heads), head size 40 or blocks of 4 its plain loop."""
     use_kernel_or_torch(monkeypatch, use_kernel)
     seq_lens = [1, 13, 40, 64, 5, 150, 97]
     out, ref = run_case(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim, dtype, window,
@@ -207,6 +210,21 @@ def test_decode_many_rows(dtype, tol, window):
     seq_lens = [3 + 37 * i % 211 for i in range(24)]
     out, ref = run_case(seq_lens, [1] * len(seq_lens), 9, 3, 64, dtype, window, 16)
     assert (out - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_decode_rows_never_read_unwritten_slots(dtype, head_dim):
+    """Slots past a row's context (and before its window) may hold NaN: the kernel's
+    weights there are 0, and a 0 times NaN would still spoil the row, so it must not multiply
+    by them at all (bfloat16 computes values two keys at a time)."""
+    assert get_cpu_ops() is not None
+    seq_lens = [1, 13, 40, 7, 150, 97]
+    for window in (None, 9):
+        out, ref = run_case(seq_lens, [1] * len(seq_lens), 6, 2, head_dim, dtype, window, 16,
+                            fill=float("nan"))
+        assert not out.isnan().any()
+        assert (out - ref).abs().max().item() < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
 def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):

@@ -273,9 +273,15 @@ struct Scratch {
 // CPU flash attention does for a bfloat16 query, and the softmax's sum adds the rounded
 // weights, so a row's output is a convex combination of its values. Needs D % 32 == 0 and
 // block_size % 8 == 0 (a chunk is then a whole number of 16-key groups).
+struct NextItem {  // the thread's next item: its first chunk is prefetched during this one's last
+  const int32_t* row = nullptr;
+  int64_t b0 = 0, nb = 0, h0 = 0;  // first block, blocks of the first chunk, first KV head
+};
+
 void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const int32_t* row,
                      int64_t bs, int64_t block_elems, int64_t start, int64_t len, int64_t h0,
-                     int64_t h1, int64_t G, int64_t D, float scale, bf16* out, Scratch& w) {
+                     int64_t h1, int64_t G, int64_t D, float scale, bf16* out, Scratch& w,
+                     const NextItem& nx) {
   const int64_t nh = h1 - h0, nq = nh * G, run = bs * D;  // run: one head's keys of a block
   const int64_t cb = std::max<int64_t>(1, kChunkKeys / bs), span = cb * bs;  // span % 16 == 0
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -303,6 +309,14 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
       pf.run[2 * i + 1] = reinterpret_cast<const char*>(v_ptr + o);
     }
     pf.runs = static_cast<int>(2 * next), pf.i = 0, pf.off = 0;
+    if (next == 0 && nx.row != nullptr) {  // the last chunk: the next item's first
+      for (int64_t i = 0; i < nx.nb; ++i) {
+        const int64_t o = static_cast<int64_t>(nx.row[nx.b0 + i]) * block_elems + nx.h0 * run;
+        pf.run[2 * i] = reinterpret_cast<const char*>(k_ptr + o);
+        pf.run[2 * i + 1] = reinterpret_cast<const char*>(v_ptr + o);
+      }
+      pf.runs = static_cast<int>(2 * nx.nb);
+    }
     pf.lines = static_cast<int>((pf.runs * pf.bytes / 64 + steps - 1) / steps);
     // Keys [lo, hi) of the chunk are visible; scores are computed 16 at a time over [lo16, hi16).
     const int64_t lo = std::max(start, b * bs) - b * bs, hi = std::min(len, (b + nb) * bs) - b * bs;
@@ -320,7 +334,9 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
         for (int64_t j = lo16; j < hi16; j += 16) {
           pf.step();
           const bf16* k0 = kblk[j / bs] + (j % bs) * D;
-          const bf16* k1 = kblk[(j + 8) / bs] + ((j + 8) % bs) * D;
+          // Blocks of 8: keys 8-15 of the last group may lie past the row's last block (then
+          // masked below); k0's rows stand in for them.
+          const bf16* k1 = j + 8 < nb * bs ? kblk[(j + 8) / bs] + ((j + 8) % bs) * D : k0;
           __m512 e = _mm512_mul_ps(scores16_bf16(q + (x0 + g) * D, k0, k1, D),
                                    _mm512_set1_ps(scale));
           // Lanes of keys outside [lo, hi) are -inf (their rows may hold anything).
@@ -519,9 +535,21 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       if (fast) {
 #if KEEL_BF16_DOT
         if constexpr (std::is_same_v<T, bf16>) {
+          NextItem nx;
+          if (item + 1 < end) {
+            const int64_t r2 = (item + 1) / per_row, len2 = sl[r2];
+            const int64_t start2 =
+                sliding_window > 0 ? std::max<int64_t>(0, len2 - sliding_window) : 0;
+            if (len2 > start2) {
+              nx.row = bt + (rows != nullptr ? rows[r2] : r2) * max_blocks;
+              nx.b0 = start2 / bs;
+              nx.nb = std::min(std::max<int64_t>(1, kChunkKeys / bs), (len2 + bs - 1) / bs - nx.b0);
+              nx.h0 = (item + 1) % per_row * hpi;
+            }
+          }
           decode_row_bf16(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
                           start, len, hk, hk + hpi, G, D, static_cast<float>(scale),
-                          o_ptr + (r * H + hk * G) * D, w);
+                          o_ptr + (r * H + hk * G) * D, w, nx);
           continue;
         }
 #endif

@@ -7,8 +7,10 @@
 // blocks, each chunk's K and V of every KV head read together with an online softmax, the
 // next chunk prefetched a few lines at a time. At 64 requests over 300-930 keys of the default
 // model this reads K and V from memory ~1.1-1.2x faster than a pass over K then one over V per
-// (row, KV head) did, which stalled on each 4 KiB run (BENCHMARKS.md, eighth round). Other
-// shapes take a plain loop. Work is split over rows (or (row, KV head) pairs when rows are
+// (row, KV head) did, which stalled on each 4 KiB run (BENCHMARKS.md, eighth round). In
+// bfloat16 on a CPU with AVX512-BF16 they take `decode_row_bf16`: the same chunks, with the
+// scores and the values both on `vdpbf16ps` (twenty-first round). Other shapes take a plain
+// loop. Work is split over rows (or (row, KV head) pairs when rows are
 // few), claimed by torch's threads in runs (claims.h); the G = num_heads / num_kv_heads query
 // heads of a group share every key and value they read.
 //

@@ -106,6 +106,19 @@ struct Prefetcher {
   const char* run[2 * kChunkBlocks];
   int runs = 0, i = 0, lines = 0;
   int64_t off = 0, bytes = 0;
+  // Aims at blocks row[b0 .. b0 + n) (their K and V runs from element `head_off` of each
+  // block), spread over `steps` calls of step().
+  template <typename T>
+  inline void aim(const T* k, const T* v, const int32_t* row, int64_t b0, int64_t n,
+                  int64_t block_elems, int64_t head_off, int64_t steps) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t o = static_cast<int64_t>(row[b0 + j]) * block_elems + head_off;
+      run[2 * j] = reinterpret_cast<const char*>(k + o);
+      run[2 * j + 1] = reinterpret_cast<const char*>(v + o);
+    }
+    runs = static_cast<int>(2 * n), i = 0, off = 0;
+    lines = static_cast<int>((runs * bytes / 64 + steps - 1) / steps);
+  }
   inline void step() {
     for (int l = 0; l < lines && i < runs; ++l) {
       __builtin_prefetch(run[i] + off, 0, Locality);
@@ -113,6 +126,17 @@ struct Prefetcher {
     }
   }
 };
+
+// One KV head's K and V runs (from element `head_off` of each block) in blocks row[0 .. n).
+template <typename T>
+inline void head_runs(const T* k, const T* v, const int32_t* row, int64_t n, int64_t block_elems,
+                      int64_t head_off, const T** kblk, const T** vblk) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t o = static_cast<int64_t>(row[i]) * block_elems + head_off;
+    kblk[i] = k + o;
+    vblk[i] = v + o;
+  }
+}
 
 // acc[GT query heads][32 dims from d0] += sum over the chunk's keys j in [lo, hi) of
 // p[g][j] * v[j], the keys' rows found block by block (vblk, bs keys each).
@@ -269,17 +293,17 @@ struct Scratch {
 };
 
 #if KEEL_BF16_DOT
+struct NextItem {  // the thread's next item: its first chunk is prefetched during this one's last
+  const int32_t* row = nullptr;
+  int64_t b0 = 0, nb = 0, h0 = 0;  // first block, blocks of the first chunk, first KV head
+};
+
 // decode_row for bfloat16 on a CPU with AVX512-BF16: the same chunks, online softmax and
 // prefetch, with scores 16 keys at a time (scores16_bf16) and values two keys at a time
 // (values_pairs). The weights p are rounded to bfloat16 for the value products, as torch's
 // CPU flash attention does for a bfloat16 query, and the softmax's sum adds the rounded
 // weights, so a row's output is a convex combination of its values. Needs D % 32 == 0 and
 // block_size % 8 == 0 (a chunk is then a whole number of 16-key groups).
-struct NextItem {  // the thread's next item: its first chunk is prefetched during this one's last
-  const int32_t* row = nullptr;
-  int64_t b0 = 0, nb = 0, h0 = 0;  // first block, blocks of the first chunk, first KV head
-};
-
 void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const int32_t* row,
                      int64_t bs, int64_t block_elems, int64_t start, int64_t len, int64_t h0,
                      int64_t h1, int64_t G, int64_t D, float scale, bf16* out, Scratch& w,
@@ -305,30 +329,15 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
   const bf16* vblk[kChunkBlocks];
   for (int64_t b = start / bs; b < b_end; b += cb) {
     const int64_t nb = std::min(cb, b_end - b), next = std::min(cb, b_end - b - nb);
-    for (int64_t i = 0; i < next; ++i) {
-      const int64_t o = static_cast<int64_t>(row[b + nb + i]) * block_elems + h0 * run;
-      pf.run[2 * i] = reinterpret_cast<const char*>(k_ptr + o);
-      pf.run[2 * i + 1] = reinterpret_cast<const char*>(v_ptr + o);
-    }
-    pf.runs = static_cast<int>(2 * next), pf.i = 0, pf.off = 0;
-    if (next == 0 && nx.row != nullptr) {  // the last chunk: the next item's first
-      for (int64_t i = 0; i < nx.nb; ++i) {
-        const int64_t o = static_cast<int64_t>(nx.row[nx.b0 + i]) * block_elems + nx.h0 * run;
-        pf.run[2 * i] = reinterpret_cast<const char*>(k_ptr + o);
-        pf.run[2 * i + 1] = reinterpret_cast<const char*>(v_ptr + o);
-      }
-      pf.runs = static_cast<int>(2 * nx.nb);
-    }
-    pf.lines = static_cast<int>((pf.runs * pf.bytes / 64 + steps - 1) / steps);
+    if (next == 0 && nx.row != nullptr)  // the last chunk: the next item's first
+      pf.aim(k_ptr, v_ptr, nx.row, nx.b0, nx.nb, block_elems, nx.h0 * run, steps);
+    else
+      pf.aim(k_ptr, v_ptr, row, b + nb, next, block_elems, h0 * run, steps);
     // Keys [lo, hi) of the chunk are visible; scores are computed 16 at a time over [lo16, hi16).
     const int64_t lo = std::max(start, b * bs) - b * bs, hi = std::min(len, (b + nb) * bs) - b * bs;
     const int64_t lo16 = lo / 16 * 16, hi16 = (hi + 15) / 16 * 16;
     for (int64_t h = h0; h < h1; ++h) {
-      for (int64_t i = 0; i < nb; ++i) {
-        const int64_t o = static_cast<int64_t>(row[b + i]) * block_elems + h * run;
-        kblk[i] = k_ptr + o;
-        vblk[i] = v_ptr + o;
-      }
+      head_runs(k_ptr, v_ptr, row + b, nb, block_elems, h * run, kblk, vblk);
       const int64_t x0 = (h - h0) * G;
       for (int64_t g = 0; g < G; ++g) {
         float* sg = s + g * span;
@@ -434,22 +443,12 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
   const T* vblk[kChunkBlocks];
   for (int64_t b = start / bs; b < b_end; b += cb) {
     const int64_t nb = std::min(cb, b_end - b), next = std::min(cb, b_end - b - nb);
-    for (int64_t i = 0; i < next; ++i) {
-      const int64_t o = static_cast<int64_t>(row[b + nb + i]) * block_elems + h0 * run;
-      pf.run[2 * i] = reinterpret_cast<const char*>(k_ptr + o);
-      pf.run[2 * i + 1] = reinterpret_cast<const char*>(v_ptr + o);
-    }
-    pf.runs = static_cast<int>(2 * next), pf.i = 0, pf.off = 0;
-    pf.lines = static_cast<int>((pf.runs * pf.bytes / 64 + steps - 1) / steps);
+    pf.aim(k_ptr, v_ptr, row, b + nb, next, block_elems, h0 * run, steps);
     // Keys [lo, hi) of the chunk are visible; scores are computed 8 at a time over [lo8, hi8).
     const int64_t lo = std::max(start, b * bs) - b * bs, hi = std::min(len, (b + nb) * bs) - b * bs;
     const int64_t lo8 = lo / 8 * 8, hi8 = (hi + 7) / 8 * 8;
     for (int64_t h = h0; h < h1; ++h) {
-      for (int64_t i = 0; i < nb; ++i) {
-        const int64_t o = static_cast<int64_t>(row[b + i]) * block_elems + h * run;
-        kblk[i] = k_ptr + o;
-        vblk[i] = v_ptr + o;
-      }
+      head_runs(k_ptr, v_ptr, row + b, nb, block_elems, h * run, kblk, vblk);
       const int64_t x0 = (h - h0) * G;
       for (int64_t g = 0; g < G; ++g) {
         float* sg = s + g * span;
@@ -525,29 +524,28 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t hpi = fast && R >= 4 * max_threads ? Hkv : 1;  // KV heads per item
   const int64_t per_row = Hkv / hpi;
 
+  // Query row r's first visible key, and its row of the block table.
+  auto first_key = [&](int64_t r) {
+    return sliding_window > 0 ? std::max<int64_t>(0, sl[r] - sliding_window) : int64_t{0};
+  };
+  auto table_row = [&](int64_t r) { return bt + (rows != nullptr ? rows[r] : r) * max_blocks; };
   auto run_items = [&](int64_t begin, int64_t end, Scratch& w, std::vector<float>& qf,
                        std::vector<float>& acc, std::vector<float>& scores) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / per_row, hk = item % per_row * hpi;  // query row, first kv head
-      const int64_t len = sl[r];
-      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t len = sl[r], start = first_key(r);
       const int64_t n = len - start;
       if (n <= 0) continue;
-      const int32_t* row = bt + (rows != nullptr ? rows[r] : r) * max_blocks;
+      const int32_t* row = table_row(r);
       if (fast) {
 #if KEEL_BF16_DOT
         if constexpr (std::is_same_v<T, bf16>) {
           NextItem nx;
-          if (item + 1 < end) {
-            const int64_t r2 = (item + 1) / per_row, len2 = sl[r2];
-            const int64_t start2 =
-                sliding_window > 0 ? std::max<int64_t>(0, len2 - sliding_window) : 0;
-            if (len2 > start2) {
-              nx.row = bt + (rows != nullptr ? rows[r2] : r2) * max_blocks;
-              nx.b0 = start2 / bs;
-              nx.nb = std::min(std::max<int64_t>(1, kChunkKeys / bs), (len2 + bs - 1) / bs - nx.b0);
-              nx.h0 = (item + 1) % per_row * hpi;
-            }
+          if (const int64_t r2 = (item + 1) / per_row; item + 1 < end && sl[r2] > first_key(r2)) {
+            nx.row = table_row(r2);
+            nx.b0 = first_key(r2) / bs;
+            nx.nb = std::min(std::max<int64_t>(1, kChunkKeys / bs), (sl[r2] + bs - 1) / bs - nx.b0);
+            nx.h0 = (item + 1) % per_row * hpi;
           }
           decode_row_bf16(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
                           start, len, hk, hk + hpi, G, D, static_cast<float>(scale),

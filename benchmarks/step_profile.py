@@ -56,7 +56,10 @@ def main() -> None:
     cpu_ops._module = timed
     torch_paged.get_cpu_ops = lambda: timed
 
-    llm = LLM(dtype=args.dtype)
+    # The default model's folder, dense, as vs_vllm.py loads it (LLM() alone keeps the
+    # .gguf file's quantized weights for single-row passes).
+    from keel.config import resolve_model_path
+    llm = LLM(model=str(resolve_model_path(None)), dtype=args.dtype, kv_cache_memory_gib=1.5)
     core = llm.engine_core
     runner = core.model_executor.driver_worker.model_runner
     sp = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)

@@ -56,10 +56,12 @@ def main() -> None:
     cpu_ops._module = timed
     torch_paged.get_cpu_ops = lambda: timed
 
-    # The default model's folder, dense, as vs_vllm.py loads it (LLM() alone keeps the
+    # The default model's folder, dense, with vs_vllm.py's K/V space (LLM() alone keeps the
     # .gguf file's quantized weights for single-row passes).
-    from keel.config import resolve_model_path
-    llm = LLM(model=str(resolve_model_path(None)), dtype=args.dtype, kv_cache_memory_gib=1.5)
+    from keel.config import cpu_has_amx_bfloat16, resolve_model_path
+    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and cpu_has_amx_bfloat16())
+    llm = LLM(model=str(resolve_model_path(None)), dtype=args.dtype,
+              kv_cache_memory_gib=1.5 if bf16 else 3.0)
     core = llm.engine_core
     runner = core.model_executor.driver_worker.model_runner
     sp = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)

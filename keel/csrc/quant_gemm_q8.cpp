@@ -65,6 +65,33 @@ inline __m256i unpack_nibbles(const uint8_t* p) {  // [16 even q | 16 odd q]
                           _mm_and_si128(bytes, low4));
 }
 
+// Groups g0 .. g0 + cnt (cnt <= 8) of a row's int4 weight, for M rows of activations:
+// ds[r][j] = d of group g0 + j times row r's activation scale, and the m * sum(x) terms added
+// to zacc (8 groups at once) or to tail (one at a time: the row's last groups, no read past
+// the row). Always inlined: as a call, its arrays kept the kernels' accumulators in memory
+// (the 512-bit kernel lost its whole gain).
+template <int M, typename S>
+[[gnu::always_inline]] inline void group_scales(const S* sn, const S* mn, const float* xs,
+                                                const float* xsum, int64_t stride, int64_t g0,
+                                                int cnt, float (*ds)[8], __m256* zacc,
+                                                float* tail) {
+  if (cnt == 8) {
+    const __m256 dv = load8(sn + g0), mv = load8(mn + g0);
+    for (int r = 0; r < M; ++r) {
+      _mm256_store_ps(ds[r], _mm256_mul_ps(dv, _mm256_loadu_ps(xs + r * stride + g0)));
+      zacc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + r * stride + g0), zacc[r]);
+    }
+    return;
+  }
+  for (int j = 0; j < cnt; ++j) {
+    const float d = to_f32(sn[g0 + j]), m = to_f32(mn[g0 + j]);
+    for (int r = 0; r < M; ++r) {
+      ds[r][j] = d * xs[r * stride + g0 + j];
+      tail[r] += m * xsum[r * stride + g0 + j];
+    }
+  }
+}
+
 // Groups are taken 8 at a time: their d x (activation scale) products and the m x sum(x)
 // terms are vector ops, and two accumulators per row alternate so that consecutive groups'
 // FMAs do not wait on each other. xs and xsum hold `stride` (groups rounded up to 8)
@@ -88,21 +115,7 @@ void int4_rows_q8(const uint8_t* q, const S* scale, const S* mins, const int8_t*
       }
       for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         const int cnt = static_cast<int>(std::min<int64_t>(8, groups - g0));
-        if (cnt == 8) {
-          const __m256 dv = load8(sn + g0), mv = load8(mn + g0);
-          for (int r = 0; r < M; ++r) {
-            _mm256_store_ps(ds[r], _mm256_mul_ps(dv, _mm256_loadu_ps(xs + r * stride + g0)));
-            zacc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + r * stride + g0), zacc[r]);
-          }
-        } else {  // the row's last groups, one at a time (no read past the row)
-          for (int j = 0; j < cnt; ++j) {
-            const float d = to_f32(sn[g0 + j]), m = to_f32(mn[g0 + j]);
-            for (int r = 0; r < M; ++r) {
-              ds[r][j] = d * xs[r * stride + g0 + j];
-              tail[r] += m * xsum[r * stride + g0 + j];
-            }
-          }
-        }
+        group_scales<M>(sn, mn, xs, xsum, stride, g0, cnt, ds, zacc, tail);
         int j = 0;
         for (; j + 2 <= cnt; j += 2) {
           const int64_t g = g0 + j;
@@ -126,6 +139,102 @@ void int4_rows_q8(const uint8_t* q, const S* scale, const S* mins, const int8_t*
     }
   });
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KEEL_Q8_512 1
+// int4_rows_q8 with 512-bit vectors and AVX512-VNNI, two groups per vector: 32 bytes of
+// nibbles, broadcast to both halves, become [g even | g+1 even | g odd | g+1 odd] (16 weights
+// each: low nibbles in the low half, high nibbles in the high half), and `vpdpbusd` sums them
+// against the activations laid out alike (`xp`, see pair_groups) in 4 products per lane: lanes
+// 0-3 and 8-11 hold group g's partial sums, 4-7 and 12-15 group g+1's, so that a vector of
+// per-lane scales weighs each group. The same integer sums as the 256-bit kernel (and the same
+// float32 products of them); only the order of the float32 additions differs. About half its
+// instructions per weight: at one row that kernel was bound by them (the same time with the
+// weights in cache as from memory).
+template <int M, int P, typename S>
+void int4_rows_q8_512(const uint8_t* q, const S* scale, const S* mins, const int8_t* xq,
+                      const int8_t* xp, const float* xs, const float* xsum, int64_t stride,
+                      float* out, int64_t n, int64_t k) {
+  const int64_t groups = k / 32;
+  // lanes of group j: 0-3 and 8-11; of group j + 1: 4-7 and 12-15 (j = 0, 2, 4, 6)
+  alignas(64) int32_t idx[4][16];
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 16; ++l) idx[j][l] = 2 * j + (l / 4) % 2;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    alignas(32) float ds[M][8];
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512 w254 = _mm512_set1_ps(254.f);
+    for (int64_t row = begin; row < end; ++row) {
+      const uint8_t* qn = q + row * (k / 2);
+      const S* sn = scale + row * groups;
+      const S* mn = mins + row * groups;
+      __m512 acc0[M], acc1[M];
+      __m256 one[M], zacc[M];
+      float tail[M];
+      for (int r = 0; r < M; ++r) {
+        acc0[r] = acc1[r] = _mm512_setzero_ps();
+        one[r] = zacc[r] = _mm256_setzero_ps();
+        tail[r] = 0.f;
+      }
+      for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        const int cnt = static_cast<int>(std::min<int64_t>(8, groups - g0));
+        group_scales<M>(sn, mn, xs, xsum, stride, g0, cnt, ds, zacc, tail);
+        int j = 0;
+        for (; j + 2 <= cnt; j += 2) {
+          const int64_t g = g0 + j;
+          const __m512i b = _mm512_broadcast_i64x4(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + g * 16)));
+          const __m512i w = _mm512_and_si512(_mm512_mask_srli_epi16(b, 0xFFFF0000u, b, 4), low4);
+          const __m512i sel = _mm512_load_si512(idx[j / 2]);
+          for (int r = 0; r < M; ++r) {
+            const int8_t* x = xp + (r * groups + g) * 32 * P;
+            const __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                                   _mm512_loadu_si512(x));
+            __m512 f = _mm512_cvtepi32_ps(i1);
+            if constexpr (P == 2) {
+              const __m512i i2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                                     _mm512_loadu_si512(x + 64));
+              f = _mm512_fmadd_ps(f, w254, _mm512_cvtepi32_ps(i2));  // exact: integers < 2^24
+            }
+            const __m512 sv = _mm512_permutexvar_ps(sel, _mm512_castps256_ps512(
+                                                             _mm256_load_ps(ds[r])));
+            if (j % 4 == 0)
+              acc0[r] = _mm512_fmadd_ps(f, sv, acc0[r]);
+            else
+              acc1[r] = _mm512_fmadd_ps(f, sv, acc1[r]);
+          }
+        }
+        if (j < cnt) {  // an odd last group: the 256-bit kernel's step
+          const int64_t g = g0 + j;
+          const __m256i w0 = unpack_nibbles(qn + g * 16);
+          for (int r = 0; r < M; ++r)
+            one[r] = q8_group<P>(w0, xq + (r * groups + g) * 32 * P, &ds[r][j], one[r]);
+        }
+      }
+      for (int r = 0; r < M; ++r)
+        out[r * n + row] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) +
+                           hsum8(_mm256_add_ps(one[r], zacc[r])) + tail[r];
+    }
+  });
+}
+
+// xq's activations (per group: [16 even | 16 odd] in each of P parts) laid out for
+// int4_rows_q8_512: per pair of groups g, g + 1 and part, [g even | g+1 even | g odd | g+1 odd]
+// (64 bytes), at the pair's offset in xq. An odd last group is left out (xq serves it).
+void pair_groups(const int8_t* xq, int64_t m, int64_t groups, int P, int8_t* xp) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g + 2 <= groups; g += 2)
+      for (int part = 0; part < P; ++part) {
+        const int8_t* a = xq + (r * groups + g) * 32 * P + part * 32;
+        const int8_t* b = a + 32 * P;
+        int8_t* dst = xp + (r * groups + g) * 32 * P + part * 64;
+        std::memcpy(dst, a, 16);
+        std::memcpy(dst + 16, b, 16);
+        std::memcpy(dst + 32, a + 16, 16);
+        std::memcpy(dst + 48, b + 16, 16);
+      }
+}
+#endif
 
 // int8 weights (one scale per row) by int8 activations (one scale per group of 32):
 // maddubs takes unsigned x signed, so |w| meets x carrying w's sign (w is in [-127, 127]).
@@ -153,6 +262,82 @@ void int8_rows_q8(const int8_t* q, const float* scale, const int8_t* xq, const f
     }
   });
 }
+
+#if KEEL_Q8_512
+// int8_rows_q8 with 512-bit vectors, two groups per vector: |w| (unsigned) by x carrying w's
+// sign (negated where w < 0: AVX-512 has no vpsignb), summed by `vpdpbusd` (lanes 0-7: group
+// g, 8-15: group g + 1), weighed per lane by the group's activation scale. `xp` holds the
+// activations of each pair of groups side by side per part (pair_parts). The same integer
+// sums as int8_rows_q8; the float32 additions in another order.
+template <int M, int P>
+void int8_rows_q8_512(const int8_t* q, const float* scale, const int8_t* xq, const int8_t* xp,
+                      const float* xs, int64_t stride, float* out, int64_t n, int64_t k) {
+  const int64_t groups = k / 32;
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    const __m512i sel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512 w254 = _mm512_set1_ps(254.f);
+    for (int64_t row = begin; row < end; ++row) {
+      const int8_t* qn = q + row * k;
+      __m512 acc[2][M];
+      __m256 one[M];
+      for (int r = 0; r < M; ++r) {
+        acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+        one[r] = _mm256_setzero_ps();
+      }
+      int64_t g = 0;
+      for (; g + 2 <= groups; g += 2) {
+        const __m512i w = _mm512_loadu_si512(qn + g * 32);
+        const __m512i aw = _mm512_abs_epi8(w);
+        const __mmask64 neg = _mm512_movepi8_mask(w);
+        for (int r = 0; r < M; ++r) {
+          const int8_t* x = xp + (r * groups + g) * 32 * P;
+          const __m512i x1 = _mm512_loadu_si512(x);
+          const __m512i i1 = _mm512_dpbusd_epi32(
+              _mm512_setzero_si512(), aw,
+              _mm512_mask_sub_epi8(x1, neg, _mm512_setzero_si512(), x1));
+          __m512 f = _mm512_cvtepi32_ps(i1);
+          if constexpr (P == 2) {
+            const __m512i x2 = _mm512_loadu_si512(x + 64);
+            const __m512i i2 = _mm512_dpbusd_epi32(
+                _mm512_setzero_si512(), aw,
+                _mm512_mask_sub_epi8(x2, neg, _mm512_setzero_si512(), x2));
+            f = _mm512_fmadd_ps(f, w254, _mm512_cvtepi32_ps(i2));  // exact: integers < 2^24
+          }
+          const __m512 sv = _mm512_permutexvar_ps(
+              sel, _mm512_castps128_ps512(_mm_castsi128_ps(
+                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(xs + r * stride + g)))));
+          acc[(g / 2) & 1][r] = _mm512_fmadd_ps(f, sv, acc[(g / 2) & 1][r]);
+        }
+      }
+      if (g < groups) {  // an odd last group: int8_rows_q8's step
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + g * 32));
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < M; ++r) {
+          const __m256i dot = q8_dot<P, true>(aw, xq + (r * groups + g) * 32 * P, w);
+          one[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                   _mm256_broadcast_ss(xs + r * stride + g), one[r]);
+        }
+      }
+      for (int r = 0; r < M; ++r)
+        out[r * n + row] = (_mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) +
+                            hsum8(one[r])) * scale[row];
+    }
+  });
+}
+
+// xq's activations per group ([x1 | x2] for P = 2) laid out for int8_rows_q8_512: per pair
+// of groups, [g x1 | g+1 x1] then [g x2 | g+1 x2], at the pair's offset in xq.
+void pair_parts(const int8_t* xq, int64_t m, int64_t groups, int P, int8_t* xp) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g + 2 <= groups; g += 2)
+      for (int part = 0; part < P; ++part) {
+        const int8_t* a = xq + (r * groups + g) * 32 * P + part * 32;
+        int8_t* dst = xp + (r * groups + g) * 32 * P + part * 64;
+        std::memcpy(dst, a, 32);
+        std::memcpy(dst + 32, a + 32 * P, 32);
+      }
+}
+#endif
 
 // Row r's 32-element groups (deinterleaved: the 16 even then the 16 odd elements when
 // `deinterleave`) to int8 with one scale per group, s = amax / 127. P = 1: x1 = round(x / s)
@@ -204,6 +389,20 @@ at::Tensor int4_q8(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins) {
   auto out = at::empty({m, n}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+#if KEEL_Q8_512
+  std::vector<int8_t> xp(m * k * P);
+  pair_groups(xq.data(), m, groups, P, xp.data());
+  const int8_t *x1 = xq.data(), *x2 = xp.data();
+  auto run = [&](auto* dp, auto* mp) {
+    const float *s = xs.data(), *sum = xsum.data();
+    switch (m) {
+      case 1: int4_rows_q8_512<1, P>(qp, dp, mp, x1, x2, s, sum, stride, op, n, k); break;
+      case 2: int4_rows_q8_512<2, P>(qp, dp, mp, x1, x2, s, sum, stride, op, n, k); break;
+      case 3: int4_rows_q8_512<3, P>(qp, dp, mp, x1, x2, s, sum, stride, op, n, k); break;
+      default: int4_rows_q8_512<4, P>(qp, dp, mp, x1, x2, s, sum, stride, op, n, k); break;
+    }
+  };
+#else
   auto run = [&](auto* dp, auto* mp) {
     switch (m) {
       case 1: int4_rows_q8<1, P>(qp, dp, mp, xq.data(), xs.data(), xsum.data(), stride, op, n, k); break;
@@ -212,6 +411,7 @@ at::Tensor int4_q8(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins) {
       default: int4_rows_q8<4, P>(qp, dp, mp, xq.data(), xs.data(), xsum.data(), stride, op, n, k); break;
     }
   };
+#endif
   if (st == at::kFloat)
     run(d.data_ptr<float>(), mins.data_ptr<float>());
   else
@@ -235,12 +435,25 @@ at::Tensor int8_q8(at::Tensor x, at::Tensor q, at::Tensor scale) {
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
+#if KEEL_Q8_512
+  std::vector<int8_t> xp(m * k * P);
+  pair_parts(xq.data(), m, k / 32, P, xp.data());
+  const int8_t *x1 = xq.data(), *x2 = xp.data();
+  const float* s = xs.data();
+  switch (m) {
+    case 1: int8_rows_q8_512<1, P>(qp, sp, x1, x2, s, k / 32, op, n, k); break;
+    case 2: int8_rows_q8_512<2, P>(qp, sp, x1, x2, s, k / 32, op, n, k); break;
+    case 3: int8_rows_q8_512<3, P>(qp, sp, x1, x2, s, k / 32, op, n, k); break;
+    default: int8_rows_q8_512<4, P>(qp, sp, x1, x2, s, k / 32, op, n, k); break;
+  }
+#else
   switch (m) {
     case 1: int8_rows_q8<1, P>(qp, sp, xq.data(), xs.data(), k / 32, op, n, k); break;
     case 2: int8_rows_q8<2, P>(qp, sp, xq.data(), xs.data(), k / 32, op, n, k); break;
     case 3: int8_rows_q8<3, P>(qp, sp, xq.data(), xs.data(), k / 32, op, n, k); break;
     default: int8_rows_q8<4, P>(qp, sp, xq.data(), xs.data(), k / 32, op, n, k); break;
   }
+#endif
   return out;
 }
 

@@ -218,20 +218,22 @@ void int4_rows_q8_512(const uint8_t* q, const S* scale, const S* mins, const int
   });
 }
 
-// xq's activations (per group: [16 even | 16 odd] in each of P parts) laid out for
-// int4_rows_q8_512: per pair of groups g, g + 1 and part, [g even | g+1 even | g odd | g+1 odd]
-// (64 bytes), at the pair's offset in xq. An odd last group is left out (xq serves it).
-void pair_groups(const int8_t* xq, int64_t m, int64_t groups, int P, int8_t* xp) {
+// xq's activations (per group, P parts of 32 bytes) laid out for the 512-bit kernels, two
+// groups a and b per 64 bytes of each part, at the pair's offset in xq: pieces of `piece`
+// bytes taken in turn, [a 0-15 | b 0-15 | a 16-31 | b 16-31] for int4 (piece 16: the even,
+// then the odd elements of each) and [a | b] for int8 (piece 32). An odd last group is left
+// out (xq serves it).
+void pair_groups(const int8_t* xq, int64_t m, int64_t groups, int P, int piece, int8_t* xp) {
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g + 2 <= groups; g += 2)
       for (int part = 0; part < P; ++part) {
         const int8_t* a = xq + (r * groups + g) * 32 * P + part * 32;
         const int8_t* b = a + 32 * P;
         int8_t* dst = xp + (r * groups + g) * 32 * P + part * 64;
-        std::memcpy(dst, a, 16);
-        std::memcpy(dst + 16, b, 16);
-        std::memcpy(dst + 32, a + 16, 16);
-        std::memcpy(dst + 48, b + 16, 16);
+        for (int off = 0; off < 32; off += piece, dst += 2 * piece) {
+          std::memcpy(dst, a + off, piece);
+          std::memcpy(dst + piece, b + off, piece);
+        }
       }
 }
 #endif
@@ -267,7 +269,7 @@ void int8_rows_q8(const int8_t* q, const float* scale, const int8_t* xq, const f
 // int8_rows_q8 with 512-bit vectors, two groups per vector: |w| (unsigned) by x carrying w's
 // sign (negated where w < 0: AVX-512 has no vpsignb), summed by `vpdpbusd` (lanes 0-7: group
 // g, 8-15: group g + 1), weighed per lane by the group's activation scale. `xp` holds the
-// activations of each pair of groups side by side per part (pair_parts). The same integer
+// activations of each pair of groups side by side per part (pair_groups). The same integer
 // sums as int8_rows_q8; the float32 additions in another order.
 template <int M, int P>
 void int8_rows_q8_512(const int8_t* q, const float* scale, const int8_t* xq, const int8_t* xp,
@@ -325,18 +327,6 @@ void int8_rows_q8_512(const int8_t* q, const float* scale, const int8_t* xq, con
   });
 }
 
-// xq's activations per group ([x1 | x2] for P = 2) laid out for int8_rows_q8_512: per pair
-// of groups, [g x1 | g+1 x1] then [g x2 | g+1 x2], at the pair's offset in xq.
-void pair_parts(const int8_t* xq, int64_t m, int64_t groups, int P, int8_t* xp) {
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g + 2 <= groups; g += 2)
-      for (int part = 0; part < P; ++part) {
-        const int8_t* a = xq + (r * groups + g) * 32 * P + part * 32;
-        int8_t* dst = xp + (r * groups + g) * 32 * P + part * 64;
-        std::memcpy(dst, a, 32);
-        std::memcpy(dst + 32, a + 32 * P, 32);
-      }
-}
 #endif
 
 // Row r's 32-element groups (deinterleaved: the 16 even then the 16 odd elements when
@@ -391,7 +381,7 @@ at::Tensor int4_q8(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins) {
   float* op = out.data_ptr<float>();
 #if KEEL_Q8_512
   std::vector<int8_t> xp(m * k * P);
-  pair_groups(xq.data(), m, groups, P, xp.data());
+  pair_groups(xq.data(), m, groups, P, 16, xp.data());
   const int8_t *x1 = xq.data(), *x2 = xp.data();
   auto run = [&](auto* dp, auto* mp) {
     const float *s = xs.data(), *sum = xsum.data();
@@ -437,7 +427,7 @@ at::Tensor int8_q8(at::Tensor x, at::Tensor q, at::Tensor scale) {
   float* op = out.data_ptr<float>();
 #if KEEL_Q8_512
   std::vector<int8_t> xp(m * k * P);
-  pair_parts(xq.data(), m, k / 32, P, xp.data());
+  pair_groups(xq.data(), m, k / 32, P, 32, xp.data());
   const int8_t *x1 = xq.data(), *x2 = xp.data();
   const float* s = xs.data();
   switch (m) {

@@ -366,6 +366,14 @@ void quantize_groups(const float* x, int64_t m, int64_t k, bool deinterleave, in
 
 }  // namespace
 
+// The quantized activations, and with the 512-bit kernels their paired copy after them (one
+// buffer per call).
+#if KEEL_Q8_512
+constexpr int64_t kActivationCopies = 2;
+#else
+constexpr int64_t kActivationCopies = 1;
+#endif
+
 template <int P>
 at::Tensor int4_q8(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins) {
   const int64_t n = q.size(0), k = q.size(1) * 2, groups = k / 32, m = x.size(0);
@@ -373,16 +381,16 @@ at::Tensor int4_q8(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor mins) {
   const auto st = d.scalar_type();
   check_x(x, k);
   const int64_t stride = (groups + 7) / 8 * 8;
-  std::vector<int8_t> xq(m * k * P);
+  std::vector<int8_t> xq(m * k * P * kActivationCopies);
   std::vector<float> xs(m * stride, 0.f), xsum(m * stride, 0.f);
   quantize_groups<P>(x.data_ptr<float>(), m, k, true, xq.data(), xs.data(), xsum.data(), stride);
   auto out = at::empty({m, n}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
 #if KEEL_Q8_512
-  std::vector<int8_t> xp(m * k * P);
-  pair_groups(xq.data(), m, groups, P, 16, xp.data());
-  const int8_t *x1 = xq.data(), *x2 = xp.data();
+  int8_t* const paired = xq.data() + m * k * P;  // xq's second half
+  pair_groups(xq.data(), m, groups, P, 16, paired);
+  const int8_t *x1 = xq.data(), *x2 = paired;
   auto run = [&](auto* dp, auto* mp) {
     const float *s = xs.data(), *sum = xsum.data();
     switch (m) {
@@ -418,7 +426,7 @@ at::Tensor int8_q8(at::Tensor x, at::Tensor q, at::Tensor scale) {
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
               "int8_gemm_q8: scale must be contiguous float32 [N]");
   check_x(x, k);
-  std::vector<int8_t> xq(m * k * P);
+  std::vector<int8_t> xq(m * k * P * kActivationCopies);
   std::vector<float> xs(m * (k / 32));
   quantize_groups<P>(x.data_ptr<float>(), m, k, false, xq.data(), xs.data(), nullptr, k / 32);
   auto out = at::empty({m, n}, x.options());
@@ -426,9 +434,9 @@ at::Tensor int8_q8(at::Tensor x, at::Tensor q, at::Tensor scale) {
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #if KEEL_Q8_512
-  std::vector<int8_t> xp(m * k * P);
-  pair_groups(xq.data(), m, k / 32, P, 32, xp.data());
-  const int8_t *x1 = xq.data(), *x2 = xp.data();
+  int8_t* const paired = xq.data() + m * k * P;  // xq's second half
+  pair_groups(xq.data(), m, k / 32, P, 32, paired);
+  const int8_t *x1 = xq.data(), *x2 = paired;
   const float* s = xs.data();
   switch (m) {
     case 1: int8_rows_q8_512<1, P>(qp, sp, x1, x2, s, k / 32, op, n, k); break;

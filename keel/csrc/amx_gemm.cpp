@@ -109,9 +109,17 @@ inline void widen_int4_tile(const uint8_t* src, uint16_t* dst) {
   }
 }
 
-// x [M16, K] bfloat16 (rows padded to a multiple of 16) @ W^T -> out [M, n], one pair of 16
-// columns at a time; `pair_weight(j)` gives pair j's bfloat16 tiles ([K / 32][2][16][32]),
-// called on the thread that computes it.
+// x [M, K] bfloat16 @ W^T -> out [M, n], one pair of 16 columns at a time; `pair_weight(j)`
+// gives pair j's bfloat16 tiles ([K / 32][2][16][32]), called on the thread that computes it.
+// Rows [0, M / 16 * 16) are read from xp, the last partial tile's (if M % 16) from `tail`:
+// 16 rows, those past M zero.
+//
+// Rows go in panels of kPanelRows (the dense copy only; a widened copy keeps one panel): the
+// threads claim (panel, pair) items panel by panel, so a prompt chunk's panel of x (147 KB at
+// K = 576) stays in L2 while the pairs stream past it. Over all of a 2,048-row pass at once,
+// each pair re-read x's 2.4 MB from L3 and the GEMM ran at 0.77x oneDNN's; in panels, 1.0-1.1x
+// (the default model's four shapes, and 1.5x with gate_up's SiLU in the epilogue;
+// BENCHMARKS.md, twenty-fourth round). A decode pass (up to 128 rows) is one panel.
 //
 // silu: the weight's pairs are [16 gate columns | their 16 up columns] (a [gate; up] layer
 // packed with its rows interleaved by 16), and the output is [M, n / 2]: silu(gate) * up,
@@ -124,16 +132,24 @@ inline void widen_int4_tile(const uint8_t* src, uint16_t* dst) {
 // accumulators of each 32 rows wait in memory (L1) in between. A widened copy is asked for a
 // few slices at a time so that they stay in L1 for all of x's rows (K = 576 at 64 rows: the
 // whole pair's 36 KB beside x's 73 KB had the tile loads waiting on L2).
+constexpr int64_t kPanelRows = 128;
+
 template <typename PairWeight>
-void amx_gemm_tiles(const c10::BFloat16* xp, int64_t M, int64_t K, int64_t n, const float* bf,
-                    const c10::BFloat16* bh, c10::BFloat16* op, bool stream_ahead, bool silu,
-                    int64_t chunk, const PairWeight& pair_weight) {
-  const int64_t M16 = (M + 15) / 16 * 16;
+void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t M, int64_t K,
+                    int64_t n, const float* bf, const c10::BFloat16* bh, c10::BFloat16* op,
+                    bool stream_ahead, bool silu, int64_t chunk, const PairWeight& pair_weight) {
+  const int64_t M16 = (M + 15) / 16 * 16, full = M / 16 * 16;
   const int64_t pairs = (n + 31) / 32, slices = K / 32;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
   const int64_t blocks32 = (M16 + 31) / 32;
   if (blocks32 == 1) chunk = slices;  // one block of rows: nothing to keep between chunks
-  keel::Claims claims(pairs, threads, 0);
+  const int64_t panel = chunk == slices ? kPanelRows : (M16 + 31) / 32 * 32;
+  const int64_t items = (M16 + panel - 1) / panel * pairs;  // (panel, pair), panel-major
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  // Row r's first element at slice s0 (r a multiple of 16: a tile's rows lie on one side).
+  auto rows_at = [&](int64_t r, int64_t s0) {
+    return (r < full ? xp + r * K : tail + (r - full) * K) + s0 * 32;
+  };
+  keel::Claims claims(items, threads, 0);
   keel::on_threads(threads, [&] {
     // Tiles 0-1: A (16 rows of x, 32 k each); 2-3: B (the pair's two tiles for a slice of
     // K); 4-7: the accumulators [rows 0-15 | 16-31] x [columns of tile 0 | tile 1].
@@ -145,17 +161,19 @@ void amx_gemm_tiles(const c10::BFloat16* xp, int64_t M, int64_t K, int64_t n, co
     float* hp = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(held.data()) + 63) & ~uintptr_t{63});
     int64_t end = 0;
-    for (int64_t j = claims.claim(end); j < pairs; j = claims.claim(end)) {
-      for (; j < end; ++j) {
-       const int64_t c0 = j * 32, cols = std::min<int64_t>(32, n - c0);
+    for (int64_t item = claims.claim(end); item < items; item = claims.claim(end)) {
+      for (; item < end; ++item) {
+       const int64_t j = item % pairs, c0 = j * 32, cols = std::min<int64_t>(32, n - c0);
+       const int64_t p0 = item / pairs * panel, p1 = std::min(M16, p0 + panel);
        for (int64_t s0 = 0; s0 < slices; s0 += chunk) {
         const int64_t ns = std::min(chunk, slices - s0);
         const bool last = s0 + ns == slices;
         const c10::BFloat16* wj = pair_weight(j, s0, ns);
-        for (int64_t r0 = 0; r0 < M16; r0 += 32) {
+        for (int64_t r0 = p0; r0 < p1; r0 += 32) {
           const bool two = r0 + 16 < M16;
-          const bool first = r0 == 0 && stream_ahead;
-          const c10::BFloat16* x0 = xp + r0 * K + s0 * 32;
+          const bool first = r0 == p0 && stream_ahead;
+          const c10::BFloat16* x0 = rows_at(r0, s0);
+          const c10::BFloat16* x1 = two ? rows_at(r0 + 16, s0) : nullptr;
           float* h = hp + r0 / 32 * 1024;
           if (s0 == 0) {
             _tile_zero(4);
@@ -184,7 +202,7 @@ void amx_gemm_tiles(const c10::BFloat16* xp, int64_t M, int64_t K, int64_t n, co
             _tile_dpbf16ps(4, 0, 2);
             _tile_dpbf16ps(5, 0, 3);
             if (two) {
-              _tile_loadd(1, x0 + 16 * K + s * 32, K * 2);
+              _tile_loadd(1, x1 + s * 32, K * 2);
               _tile_dpbf16ps(6, 1, 2);
               _tile_dpbf16ps(7, 1, 3);
             }
@@ -407,18 +425,18 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
   at::Tensor out = at::empty({M, silu_mul ? n / 2 : n}, x.options());
   if (M == 0) return out;
 #if KEEL_AMX
-  // Rows padded to a whole tile (zeros) where M is not a multiple of 16, in a buffer each
-  // calling thread keeps (no allocation per pass once it has grown).
-  const int64_t M16 = (M + 15) / 16 * 16;
+  // The last rows padded to a whole tile (zeros) where M is not a multiple of 16, in a buffer
+  // each calling thread keeps (no allocation per pass once it has grown).
+  const int64_t full = M / 16 * 16;
   const at::Tensor xc = x.contiguous();
   const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
-  if (M16 != M) {
-    static thread_local std::vector<c10::BFloat16> padded;
-    padded.resize(M16 * K);
-    std::memcpy(padded.data(), xp, M * K * sizeof(c10::BFloat16));
-    std::memset(padded.data() + M * K, 0, (M16 - M) * K * sizeof(c10::BFloat16));
-    xp = padded.data();
+  static thread_local std::vector<c10::BFloat16> padded;
+  if (full != M) {
+    padded.resize(16 * K);
+    std::memcpy(padded.data(), xp + full * K, (M - full) * K * sizeof(c10::BFloat16));
+    std::memset(padded.data() + (M - full) * K, 0, (16 - (M - full)) * K * sizeof(c10::BFloat16));
   }
+  const c10::BFloat16* tail = padded.data();
   auto* op = out.data_ptr<c10::BFloat16>();
   const float* bf = has_bias && bias->scalar_type() == at::kFloat ? bias->data_ptr<float>()
                                                                    : nullptr;
@@ -428,7 +446,7 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
   if (int4 || int8) {
     const auto* wq = static_cast<const uint8_t*>(packed.data_ptr());
     const int64_t tile_bytes = int4 ? kInt4Tile : kInt8Tile;
-    amx_gemm_tiles(xp, M, K, n, bf, bh, op, false, silu_mul, kWidenChunk,
+    amx_gemm_tiles(xp, tail, M, K, n, bf, bh, op, false, silu_mul, kWidenChunk,
                    [&](int64_t j, int64_t s0, int64_t ns) {
       // Each worker thread's widened slices (the pool's threads live as long as the
       // process). Over-allocated by 64 bytes: the tiles start on a cache line.
@@ -444,7 +462,7 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
     });
   } else {
     const auto* wp = packed.data_ptr<c10::BFloat16>();
-    amx_gemm_tiles(xp, M, K, n, bf, bh, op, true, silu_mul, slices,
+    amx_gemm_tiles(xp, tail, M, K, n, bf, bh, op, true, silu_mul, slices,
                    [&](int64_t j, int64_t s0, int64_t) { return wp + (j * slices + s0) * 1024; });
   }
 #endif

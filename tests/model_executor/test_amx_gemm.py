@@ -1,6 +1,7 @@
-"""keel's AMX GEMM (keel/csrc/amx_gemm.cpp) for bfloat16 decode-sized passes: against a
-float32 reference, through a linear layer (cpu_gemm: up to AMX_GEMM_MAX_ROWS rows on it,
-longer passes on oneDNN), and its arguments. Where the build or CPU has no AMX tiles the op
+"""keel's AMX GEMM (keel/csrc/amx_gemm.cpp) for bfloat16 passes: against a float32
+reference (decode-sized passes, and prompt chunks in several panels of rows with a partial
+last tile), through a linear layer (cpu_gemm: up to AMX_GEMM_MAX_ROWS rows on it, longer
+passes on it where amx_prompt_chosen, else on oneDNN), and its arguments. Where the build or CPU has no AMX tiles the op
 says so and raises (each test checks that instead)."""
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def reference(x, w, b):
 
 @pytest.mark.parametrize("m, n, k", [(1, 48, 64), (5, 960, 576), (16, 576, 576),
                                      (37, 3072, 576), (64, 576, 1536), (64, 80, 96),
-                                     (130, 112, 32)])
+                                     (130, 112, 32), (256, 64, 64), (300, 112, 96),
+                                     (523, 960, 576)])
 @pytest.mark.parametrize("bias", [None, torch.bfloat16, torch.float32])
 def test_matches_float32_reference(ops, m, n, k, bias):
     g = torch.Generator().manual_seed(m * n + k)
@@ -53,11 +55,13 @@ def test_pack_needs_whole_tiles(ops, shape, message):
         ops.amx_gemm_pack(torch.zeros(64, 64))
 
 
-def test_layer_takes_it_for_short_passes_only(ops, monkeypatch):
+@pytest.mark.parametrize("prompt", [False, True])
+def test_layer_takes_it_for_short_passes_or_all(ops, monkeypatch, prompt):
     """A bfloat16 layer keeps oneDNN's packed weight and, where the AMX GEMM is chosen, its
-    tile copy: passes of up to AMX_GEMM_MAX_ROWS rows go to amx_gemm, longer ones to oneDNN;
-    both match the dense product."""
+    tile copy: passes of up to AMX_GEMM_MAX_ROWS rows go to amx_gemm, longer ones too where
+    amx_prompt_chosen (else to oneDNN); all match the dense product."""
     monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
+    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", prompt)
     monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1 << 30)
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
     layer = ColumnParallelLinear(96, 80, bias=True, dtype=torch.bfloat16)
@@ -80,7 +84,7 @@ def test_layer_takes_it_for_short_passes_only(ops, monkeypatch):
         out = layer(x)
         want = reference(x, dense_w, dense_b)
         assert ((out.float() - want).abs() <= 1e-2 * want.abs() + 2e-2).all(), rows
-    assert calls == [1, 64]
+    assert calls == ([1, 64, 65, 200] if prompt else [1, 64])
 
 
 def test_copies_stop_at_the_memory_budget(monkeypatch):
@@ -102,7 +106,7 @@ def int4_weight(n, k, g, half=True):
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 48, 64), (5, 960, 576), (37, 3072, 576),
-                                     (64, 576, 1536), (130, 112, 32)])
+                                     (64, 576, 1536), (130, 112, 32), (300, 112, 96)])
 @pytest.mark.parametrize("half", [True, False])
 def test_int4_copy_gives_the_bfloat16_copys_bits(ops, m, n, k, half):
     """The int4 copy widens to the same bfloat16 tiles, so the output is bit-identical; a copy
@@ -181,13 +185,15 @@ def test_compressed_copies_are_chosen_by_measuring(ops, monkeypatch):
     assert all(isinstance(real(kind, layers=2), bool) for kind in ("int4", "int8"))
 
 
-@pytest.mark.parametrize("m", [1, 20, 64])
+@pytest.mark.parametrize("m", [1, 20, 64, 300])
 @pytest.mark.parametrize("int4, bias", [(False, None), (True, None), (False, torch.bfloat16),
                                         (True, torch.float32)])
 def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4, bias):
     """A [gate; up] layer that feeds silu_and_mul keeps its AMX copy interleaved by 16 rows;
     gemm_silu takes it with silu in the epilogue: bit-identical to silu_and_mul of the plain
-    GEMM. A plain call of the layer does not use the interleaved copy."""
+    GEMM. A plain call of the layer does not use the interleaved copy. A prompt-sized pass
+    (300 rows) takes the epilogue on the bfloat16 copy where amx_prompt_chosen, and never on
+    an int4 copy (gemm_silu then says None: silu_and_mul after oneDNN's GEMM)."""
     from keel.model_executor.layers.linear import MergedColumnParallelLinear
     from keel.model_executor.layers.quantization import pack_int4_pairs
 
@@ -195,6 +201,7 @@ def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4,
     monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1 << 30)
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
     monkeypatch.setattr(linear_mod, "_compressed_faster", {"int4": True})
+    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", True)
     if not ops.amx_gemm_available():
         monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
         assert not linear_mod.amx_gemm_chosen()
@@ -218,7 +225,10 @@ def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4,
                          None if bias is None else layer.bias.to(bias))
     want = ops.silu_and_mul(plain)
     got = layer.gemm_silu(x)
-    assert got.shape == (m, inter) and torch.equal(got, want)
+    if int4 and m > linear_mod.AMX_GEMM_MAX_ROWS:
+        assert got is None
+    else:
+        assert got.shape == (m, inter) and torch.equal(got, want)
     assert torch.equal(layer(x), linear_mod.packed_linear(x, layer.packed_weight, layer.bias))
 
 
@@ -265,3 +275,42 @@ def test_q8_0_blocks_are_recovered_exactly_or_refused():
     assert got is not None and torch.equal(got[0], q) and torch.equal(got[1], d)
     assert q8_0_blocks_of(torch.randn(64, 128, generator=g)) is None
     assert q8_0_blocks_of(w[:, :100].contiguous()) is None  # K not a multiple of 32
+
+
+def test_prompt_passes_are_chosen_by_measuring(ops, monkeypatch):
+    """Prompt-sized passes go to the AMX GEMM only where a prompt chunk's MLP measured faster
+    on it than on oneDNN (once per process), never without the AMX GEMM for decode passes;
+    KEEL_AMX_PROMPT forces the answer."""
+    monkeypatch.setattr(linear_mod, "_keel_ops", ops)
+    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
+    monkeypatch.setattr(linear_mod, "_amx_gemm_faster", False)
+    monkeypatch.setenv("KEEL_AMX_PROMPT", "1")
+    assert not linear_mod.amx_prompt_chosen()  # no AMX GEMM at all: not for prompts either
+    if not ops.amx_gemm_available():
+        return
+    monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
+    for forced in ("0", "1"):
+        monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
+        monkeypatch.setenv("KEEL_AMX_PROMPT", forced)
+        assert linear_mod.amx_prompt_chosen() == (forced == "1")
+    calls = []
+    monkeypatch.setattr(linear_mod, "_time_prompt_mlp",
+                        lambda kernel: lambda: calls.append(kernel) or (1.0 if kernel == "amx"
+                                                                        else 2.0))
+    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
+    monkeypatch.delenv("KEEL_AMX_PROMPT")
+    assert linear_mod.amx_prompt_chosen() and linear_mod.amx_prompt_chosen()
+    assert sorted(set(calls)) == ["amx", "onednn"] and len(calls) == 4  # 2 rounds, once
+    # An int4 copy never takes a prompt pass, whatever was chosen.
+    assert not linear_mod.amx_takes(torch.empty(0, dtype=torch.uint8), 65)
+    assert linear_mod.amx_takes(torch.empty(0, dtype=torch.bfloat16), 65)
+
+
+def test_prompt_mlp_timing_runs(ops, monkeypatch):
+    """The real measurement times both kernels' MLP (which is faster depends on the CPU)."""
+    monkeypatch.setattr(linear_mod, "_keel_ops", ops)
+    if not ops.amx_gemm_available():
+        return
+    for kernel in ("amx", "onednn"):
+        t = linear_mod._time_prompt_mlp(kernel, rows=64, inter=128, hidden=64)()
+        assert 0 < t < 10

@@ -25,8 +25,9 @@ with AVX512-BF16.
 
 Where the CPU has AMX tiles, a bfloat16 layer on oneDNN also keeps a copy of its weight in
 the tile layout of keel's AMX GEMM (csrc/amx_gemm.cpp), which takes the passes of up to
-`AMX_GEMM_MAX_ROWS` rows (decode steps) if it times faster than oneDNN's at load; oneDNN
-keeps the longer passes (prompt chunks). The copies may take a quarter of the memory
+`AMX_GEMM_MAX_ROWS` rows (decode steps) if it times faster than oneDNN's at load, and the
+longer passes (prompt chunks) too if a prompt chunk's MLP also times faster on it
+(`amx_prompt_chosen`; `KEEL_AMX_PROMPT=0|1` forces it); else oneDNN keeps them. The copies may take a quarter of the memory
 available at load; past that the remaining layers run on oneDNN alone. `KEEL_AMX_GEMM=0`
 turns it off.
 """
@@ -174,6 +175,7 @@ def _time_packed_gemm(dtype: torch.dtype, kernel: str = "onednn", rows: int = 64
 # round, BENCHMARKS.md), so the layer keeps oneDNN's packed weight for those.
 AMX_GEMM_MAX_ROWS = 64
 _amx_gemm_faster: bool | None = None
+_amx_prompt_faster: bool | None = None  # longer passes too (amx_prompt_chosen)
 _amx_bytes_left: int | None = None  # the copies' memory budget (see _amx_budget)
 
 
@@ -196,6 +198,56 @@ def amx_gemm_chosen() -> bool:
                             "64 x 1536 x 576)", AMX_GEMM_MAX_ROWS,
                             "keel" if _amx_gemm_faster else "oneDNN")
     return _amx_gemm_faster
+
+
+def amx_prompt_chosen() -> bool:
+    """Whether passes of more than AMX_GEMM_MAX_ROWS rows (prompt chunks) also run on keel's
+    AMX GEMM, over a layer's bfloat16 tile copy (never a widened int4 or int8 one), where it
+    is chosen for decode passes: measured once per process on the default model's MLP at 512
+    rows (gate_up with SiLU in the AMX GEMM's epilogue, then down; against oneDNN's two GEMMs
+    and silu_and_mul between them). The AMX GEMM takes long passes in panels of 128 rows
+    (csrc/amx_gemm.cpp); on one AMX host the MLP of a 2,048-row chunk ran 1.5x faster on it
+    than on oneDNN, and oneDNN's brgemm has read 3.3 TFLOP/s at 2,048 rows on another, so it
+    is measured. KEEL_AMX_PROMPT=0 / 1 skips the measurement."""
+    global _amx_prompt_faster
+    if _amx_prompt_faster is None:
+        forced = os.environ.get("KEEL_AMX_PROMPT")
+        if not amx_gemm_chosen():
+            _amx_prompt_faster = False
+        elif forced in ("0", "1"):
+            _amx_prompt_faster = forced == "1"
+        else:
+            _amx_prompt_faster = _faster(_time_prompt_mlp("amx"), _time_prompt_mlp("onednn"),
+                                         rounds=2)
+            logger.info("bfloat16 passes of more than %d rows: %s's GEMM (measured faster on "
+                        "a 512-row MLP)", AMX_GEMM_MAX_ROWS,
+                        "keel" if _amx_prompt_faster else "oneDNN")
+    return _amx_prompt_faster
+
+
+def _time_prompt_mlp(kernel: str, rows: int = 512, inter: int = 1536,
+                     hidden: int = 576) -> Callable[[], float]:
+    """A timing (best of 5) of one MLP of a prompt chunk: gate_up, SiLU, down."""
+    from keel.utils import best_seconds
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden, generator=g).bfloat16()
+    gate_up = (torch.randn(2 * inter, hidden, generator=g) * 0.05).bfloat16()
+    down = (torch.randn(hidden, inter, generator=g) * 0.05).bfloat16()
+    if kernel == "amx":  # called by amx_prompt_chosen(), once amx_gemm_chosen() found _keel_ops
+        gu = _keel_ops.amx_gemm_pack(gate_up[silu_pair_order(2 * inter)].contiguous())
+        dn = _keel_ops.amx_gemm_pack(down)
+        fn = lambda: _keel_ops.amx_gemm(_keel_ops.amx_gemm(x, gu, 2 * inter, None, True),
+                                        dn, hidden)
+    else:
+        gu, dn = pack_weight(gate_up), pack_weight(down)
+        fn = lambda: packed_linear(_keel_ops.silu_and_mul(packed_linear(x, gu)), dn)
+    return lambda: best_seconds(fn, 5)
+
+
+def amx_takes(amx: torch.Tensor, rows: int) -> bool:
+    """Whether a pass of `rows` rows runs on the AMX GEMM over the copy `amx`."""
+    return rows <= AMX_GEMM_MAX_ROWS or (amx.dtype == torch.bfloat16 and amx_prompt_chosen())
 
 
 def _amx_budget(nbytes: int) -> bool:
@@ -333,6 +385,7 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
             copy = _amx_copy(module, w.detach(), order)
             if _amx_budget(copy.numel() * copy.element_size()):
                 module.amx_weight, module.amx_silu = copy, pairs
+                amx_prompt_chosen()  # measured here, at load, not in the first prompt's step
                 if pairs and module.bias is not None:
                     module.amx_bias = module.bias.detach()[order].contiguous()
         module.amx_int4 = None  # a converted folder's int4 groups were only for the copy
@@ -348,8 +401,7 @@ def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
     rounded back."""
     amx = getattr(module, "amx_weight", None)
     if (amx is not None and not getattr(module, "amx_silu", False) and x.dim() == 2
-            and x.shape[0] <= AMX_GEMM_MAX_ROWS
-            and x.dtype == torch.bfloat16):
+            and x.dtype == torch.bfloat16 and amx_takes(amx, x.shape[0])):
         return _keel_ops.amx_gemm(x, amx, module.packed_rows, bias)
     if module.packed_by == "keel":
         out = _keel_ops.gemm(x.float(), module.packed_weight, module.packed_rows,

@@ -140,12 +140,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def gemm_silu(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for a [gate; up] layer, with the activation in keel's GEMM epilogue
-        (csrc/gemm.cpp gemm_silu, or a bfloat16 pass of up to AMX_GEMM_MAX_ROWS rows on the
-        AMX GEMM's interleaved copy: the [T, 2I] product is never written out), or None where
+        (csrc/gemm.cpp gemm_silu, or a bfloat16 pass that the AMX GEMM takes (amx_takes) on
+        its interleaved copy: the [T, 2I] product is never written out), or None where
         that path does not apply: another GEMM, a quantized pass, or widths that are not
         multiples of 16."""
         if (self.amx_silu and x.dtype == torch.bfloat16 and x.dim() == 2
-                and x.shape[0] <= gemm_choice.AMX_GEMM_MAX_ROWS
+                and gemm_choice.amx_takes(self.amx_weight, x.shape[0])
                 and not (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):
             return gemm_choice._keel_ops.amx_gemm(x, self.amx_weight, self.packed_rows,
                                                   self.amx_bias, True)

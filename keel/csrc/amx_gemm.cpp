@@ -117,9 +117,9 @@ inline void widen_int4_tile(const uint8_t* src, uint16_t* dst) {
 // Rows go in panels of kPanelRows (the dense copy only; a widened copy keeps one panel): the
 // threads claim (panel, pair) items panel by panel, so a prompt chunk's panel of x (147 KB at
 // K = 576) stays in L2 while the pairs stream past it. Over all of a 2,048-row pass at once,
-// each pair re-read x's 2.4 MB from L3 and the GEMM ran at 0.77x oneDNN's; in panels, 1.0-1.1x
-// (the default model's four shapes, and 1.5x with gate_up's SiLU in the epilogue;
-// BENCHMARKS.md, twenty-fourth round). A decode pass (up to 128 rows) is one panel.
+// each pair re-read x's 2.4 MB from L3 and the GEMM ran at 0.77x oneDNN's; in panels, 1.02-1.1x
+// over the default model's four shapes, and 1.2-1.5x on its MLP with gate_up's SiLU in the
+// epilogue (BENCHMARKS.md, twenty-fourth round). A decode pass (up to 128 rows) is one panel.
 //
 // silu: the weight's pairs are [16 gate columns | their 16 up columns] (a [gate; up] layer
 // packed with its rows interleaved by 16), and the output is [M, n / 2]: silu(gate) * up,

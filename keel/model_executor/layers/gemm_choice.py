@@ -27,9 +27,9 @@ Where the CPU has AMX tiles, a bfloat16 layer on oneDNN also keeps a copy of its
 the tile layout of keel's AMX GEMM (csrc/amx_gemm.cpp), which takes the passes of up to
 `AMX_GEMM_MAX_ROWS` rows (decode steps) if it times faster than oneDNN's at load, and the
 longer passes (prompt chunks) too if a prompt chunk's MLP also times faster on it
-(`amx_prompt_chosen`; `KEEL_AMX_PROMPT=0|1` forces it); else oneDNN keeps them. The copies may take a quarter of the memory
-available at load; past that the remaining layers run on oneDNN alone. `KEEL_AMX_GEMM=0`
-turns it off.
+(`amx_prompt_chosen`; `KEEL_AMX_PROMPT=0|1` forces it); else oneDNN keeps them. The copies
+may take a quarter of the memory available at load; past that the remaining layers run on
+oneDNN alone. `KEEL_AMX_GEMM=0` turns it off.
 """
 
 from __future__ import annotations

@@ -102,3 +102,48 @@ def test_plan_follows_a_rebound_kv_cache(hf_model_dir, monkeypatch):
     python = DirectRunner(model, max_reqs=2, max_len=64).greedy(prompts, 12)
     assert first == second == python
     assert torch.is_tensor(model.model.layers[0].self_attn.attn.kv_cache)
+
+
+@pytest.mark.parametrize("prompt_on_amx", [False, True])
+def test_bit_identical_past_64_rows(prompt_on_amx, hf_model_dir, monkeypatch):
+    """Decode passes of more than 64 rows (70 requests) in bfloat16: the fused pass takes the
+    GEMM that the Python layers take for that many rows (keel's AMX GEMM where it is chosen
+    for prompt-sized passes too, else oneDNN), so the output stays bit-identical."""
+    from keel.cpu_ops import get_cpu_ops
+    from keel.model_executor.layers import gemm_choice
+
+    ops = get_cpu_ops()
+    if ops is not None and ops.amx_gemm_available():
+        monkeypatch.setattr(gemm_choice, "_keel_ops", ops)
+        monkeypatch.setattr(gemm_choice, "_amx_gemm_faster", True)
+    monkeypatch.setattr(gemm_choice, "_amx_prompt_faster", prompt_on_amx)
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(4 + i % 9)] for i in range(70)]
+    folder = hf_model_dir("llama")
+    # The rows each planned layer gives the AMX GEMM (on these tiny layers the two GEMMs may
+    # well sum alike, so the bits alone would not tell which ran).
+    amx_rows = []
+    real_plan = fused_mod._plan_linear
+
+    class Recording:  # keel's ops, PlanLinear's amx_rows noted
+        def __init__(self, ops_):
+            self.ops = ops_
+
+        def __getattr__(self, name):
+            return getattr(self.ops, name)
+
+        def PlanLinear(self, *args, **kwargs):
+            if kwargs.get("amx") is not None:
+                amx_rows.append(kwargs["amx_rows"])
+            return self.ops.PlanLinear(*args, **kwargs)
+
+    def planned(ops_, linear, dtype):
+        return real_plan(Recording(ops_), linear, dtype)
+
+    monkeypatch.setattr(fused_mod, "_plan_linear", planned)
+    tok_on, lp_on, on = generate(folder, None, True, monkeypatch, prompts, "bfloat16")
+    tok_off, lp_off, off = generate(folder, None, False, monkeypatch, prompts, "bfloat16")
+    assert on["fused"] >= 39 and off["fused"] == 0, (on, off)
+    assert tok_on == tok_off
+    assert lp_on == lp_off
+    if gemm_choice._amx_gemm_faster:  # AMX copies were made: every pass or up to 64 rows
+        assert amx_rows and set(amx_rows) == {1 << 62 if prompt_on_amx else 64}

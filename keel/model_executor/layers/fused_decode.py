@@ -33,7 +33,7 @@ import torch
 from keel.attention.forward_context import get_forward_context
 from keel.distributed import get_tensor_model_parallel_world_size
 from keel.model_executor.layers import quantization
-from keel.model_executor.layers.linear import AMX_GEMM_MAX_ROWS
+from keel.model_executor.layers.gemm_choice import amx_max_rows
 from keel.model_executor.layers.quantization import (
     ALL_ROWS,
     Int4Weight,
@@ -67,7 +67,7 @@ def _plan_linear(ops: Any, linear: Any, dtype: torch.dtype) -> Any:
                           linear.packed_weight, weight, linear.bias,
                           gemm_rows=linear.packed_rows if linear.packed_by == "keel" else 0,
                           float32_compute=linear.packed_by == "onednn-upcast", amx=amx,
-                          amx_rows=AMX_GEMM_MAX_ROWS if amx is not None else 0,
+                          amx_rows=amx_max_rows(amx) if amx is not None else 0,
                           amx_n=linear.packed_rows, amx_silu=amx is not None and linear.amx_silu,
                           amx_bias=linear.amx_bias)
 

@@ -245,9 +245,17 @@ def _time_prompt_mlp(kernel: str, rows: int = 512, inter: int = 1536,
     return lambda: best_seconds(fn, 5)
 
 
+def amx_max_rows(amx: torch.Tensor) -> int:
+    """The most rows of a pass that runs on the AMX GEMM over the copy `amx` (every pass, for
+    a bfloat16 copy where amx_prompt_chosen)."""
+    if amx.dtype == torch.bfloat16 and amx_prompt_chosen():
+        return 1 << 62
+    return AMX_GEMM_MAX_ROWS
+
+
 def amx_takes(amx: torch.Tensor, rows: int) -> bool:
     """Whether a pass of `rows` rows runs on the AMX GEMM over the copy `amx`."""
-    return rows <= AMX_GEMM_MAX_ROWS or (amx.dtype == torch.bfloat16 and amx_prompt_chosen())
+    return rows <= amx_max_rows(amx)
 
 
 def _amx_budget(nbytes: int) -> bool:

@@ -289,6 +289,10 @@ def test_prompt_passes_are_chosen_by_measuring(ops, monkeypatch):
     if not ops.amx_gemm_available():
         return
     monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
+    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
+    monkeypatch.setenv("KEEL_AMX_PROMPT", "yes")
+    with pytest.raises(ValueError, match="KEEL_AMX_PROMPT='yes': expected 0"):
+        linear_mod.amx_prompt_chosen()
     for forced in ("0", "1"):
         monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
         monkeypatch.setenv("KEEL_AMX_PROMPT", forced)

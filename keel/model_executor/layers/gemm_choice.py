@@ -212,6 +212,9 @@ def amx_prompt_chosen() -> bool:
     global _amx_prompt_faster
     if _amx_prompt_faster is None:
         forced = os.environ.get("KEEL_AMX_PROMPT")
+        if forced not in (None, "", "0", "1"):
+            raise ValueError(f"KEEL_AMX_PROMPT={forced!r}: expected 0 (prompt chunks on "
+                             "oneDNN), 1 (on keel's AMX GEMM) or unset (measured at load)")
         if not amx_gemm_chosen():
             _amx_prompt_faster = False
         elif forced in ("0", "1"):

@@ -337,10 +337,16 @@ void prefill_attention_amx(at::Tensor query, at::Tensor key, at::Tensor value, a
   // Packed K and V, in buffers the calling thread keeps (every element is written below).
   static thread_local std::vector<uint32_t> kt;
   static thread_local std::vector<uint16_t> vv;
-  kt.resize(Hkv * S32 * D / 2);
-  vv.resize(Hkv * S32 * D);
-  uint32_t* const ktp = kt.data();  // the calling thread's: the workers see these pointers
-  uint16_t* const vvp = vv.data();
+  // Over-allocated by 64 bytes, the tiles start on a cache line (malloc gives 16-byte
+  // alignment: a 64-byte tile row then spans two lines; 1.06x on this kernel, alternated in
+  // both orders, twenty-fifth round).
+  kt.resize(Hkv * S32 * D / 2 + 16);
+  vv.resize(Hkv * S32 * D + 32);
+  // The calling thread's: the workers see these pointers.
+  uint32_t* const ktp = reinterpret_cast<uint32_t*>(
+      (reinterpret_cast<uintptr_t>(kt.data()) + 63) & ~uintptr_t{63});
+  uint16_t* const vvp = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(vv.data()) + 63) & ~uintptr_t{63});
   const auto* k_ptr = key.data_ptr<c10::BFloat16>();
   const auto* v_ptr = value.data_ptr<c10::BFloat16>();
   at::parallel_for(0, 2 * Hkv, 1, [&](int64_t b, int64_t e) {

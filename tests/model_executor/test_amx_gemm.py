@@ -181,6 +181,12 @@ def test_compressed_copies_are_chosen_by_measuring(ops, monkeypatch):
     monkeypatch.setattr(linear_mod, "_compressed_faster", {})
     monkeypatch.setenv("KEEL_AMX_COMPRESSED", "0")
     assert not linear_mod.amx_compressed_copy_chosen("int4") and len(calls) == 2
+    # Any other value is a clear error (it was silently measured), and nothing is cached.
+    monkeypatch.setattr(linear_mod, "_compressed_faster", {})
+    monkeypatch.setenv("KEEL_AMX_COMPRESSED", "yes")
+    with pytest.raises(ValueError, match="KEEL_AMX_COMPRESSED='yes': expected 0"):
+        linear_mod.amx_compressed_copy_chosen("int8")
+    assert linear_mod._compressed_faster == {} and len(calls) == 2
     # The real measurement runs on both kinds (which answer depends on the CPU).
     assert all(isinstance(real(kind, layers=2), bool) for kind in ("int4", "int8"))
 

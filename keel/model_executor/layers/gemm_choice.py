@@ -299,6 +299,9 @@ def amx_compressed_copy_chosen(kind: str) -> bool:
     (BENCHMARKS.md, twentieth round). KEEL_AMX_COMPRESSED=0 / 1 skips the measurement."""
     if kind not in _compressed_faster:
         forced = os.environ.get("KEEL_AMX_COMPRESSED")
+        if forced not in (None, "", "0", "1"):
+            raise ValueError(f"KEEL_AMX_COMPRESSED={forced!r}: expected 0 (the bfloat16 copy), "
+                             "1 (the file's int4 / int8 blocks) or unset (measured at load)")
         if forced in ("0", "1"):
             _compressed_faster[kind] = forced == "1"
         else:

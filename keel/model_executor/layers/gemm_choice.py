@@ -200,6 +200,18 @@ def amx_gemm_chosen() -> bool:
     return _amx_gemm_faster
 
 
+def _forced_choice(name: str, off: str, on: str) -> bool | None:
+    """An env var that forces a choice measured at load: 0 -> False, 1 -> True, unset or empty
+    -> None (measure); any other value is an error naming the choices."""
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 0 ({off}), 1 ({on}) or unset (measured "
+                         "at load)")
+    return value == "1"
+
+
 def amx_prompt_chosen() -> bool:
     """Whether passes of more than AMX_GEMM_MAX_ROWS rows (prompt chunks) also run on keel's
     AMX GEMM, over a layer's bfloat16 tile copy (never a widened int4 or int8 one), where it
@@ -211,14 +223,12 @@ def amx_prompt_chosen() -> bool:
     is measured. KEEL_AMX_PROMPT=0 / 1 skips the measurement."""
     global _amx_prompt_faster
     if _amx_prompt_faster is None:
-        forced = os.environ.get("KEEL_AMX_PROMPT")
-        if forced not in (None, "", "0", "1"):
-            raise ValueError(f"KEEL_AMX_PROMPT={forced!r}: expected 0 (prompt chunks on "
-                             "oneDNN), 1 (on keel's AMX GEMM) or unset (measured at load)")
+        forced = _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN",
+                                "on keel's AMX GEMM")
         if not amx_gemm_chosen():
             _amx_prompt_faster = False
-        elif forced in ("0", "1"):
-            _amx_prompt_faster = forced == "1"
+        elif forced is not None:
+            _amx_prompt_faster = forced
         else:
             _amx_prompt_faster = _faster(_time_prompt_mlp("amx"), _time_prompt_mlp("onednn"),
                                          rounds=2)
@@ -298,12 +308,10 @@ def amx_compressed_copy_chosen(kind: str) -> bool:
     step's layers against the bfloat16 copy's 12.1, on another 16.4-17.4 against 12.0-12.2
     (BENCHMARKS.md, twentieth round). KEEL_AMX_COMPRESSED=0 / 1 skips the measurement."""
     if kind not in _compressed_faster:
-        forced = os.environ.get("KEEL_AMX_COMPRESSED")
-        if forced not in (None, "", "0", "1"):
-            raise ValueError(f"KEEL_AMX_COMPRESSED={forced!r}: expected 0 (the bfloat16 copy), "
-                             "1 (the file's int4 / int8 blocks) or unset (measured at load)")
-        if forced in ("0", "1"):
-            _compressed_faster[kind] = forced == "1"
+        forced = _forced_choice("KEEL_AMX_COMPRESSED", "the bfloat16 copy",
+                                "the file's int4 / int8 blocks")
+        if forced is not None:
+            _compressed_faster[kind] = forced
         else:
             _compressed_faster[kind] = _time_compressed_copy(kind)
             logger.info("AMX GEMM on this CPU: the %s copy of a GGUF file's blocks %s", kind,

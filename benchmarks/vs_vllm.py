@@ -106,11 +106,12 @@ def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
         llm = LLM(model=args.folder, dtype=args.dtype, **kw)
     startup = time.perf_counter() - t0
     dtype = str(llm.engine_core.config.model_config.torch_dtype).replace("torch.", "")
+    kv_dtype = str(llm.engine_core.config.cache_config.kv_torch_dtype).replace("torch.", "")
     engine = Engine(llm, SamplingParams, prompts, args.max_tokens)
     # The decode step is measured at the short prompts' contexts.
     engine.floor = lambda: decode_step_and_floor(llm, prompts["rounds"][0]["short"],
                                                  prompts["rounds"][0].get("long"))
-    return engine, {"startup_s": startup, "dtype": dtype}
+    return engine, {"startup_s": startup, "dtype": dtype, "kv_dtype": kv_dtype}
 
 
 def decode_step_and_floor(llm, prompts: list[list[int]], long: list[list[int]] | None = None
@@ -123,12 +124,13 @@ def decode_step_and_floor(llm, prompts: list[list[int]], long: list[list[int]] |
     out = _decode_step(llm, prompts)
     model = llm.engine_core.model_executor.driver_worker.model_runner.model
     dtype = llm.engine_core.config.model_config.torch_dtype
+    kv_dtype = llm.engine_core.config.cache_config.kv_torch_dtype
     out.update(gemm_floor(model, len(prompts), dtype))
     read_gbs = read_rate_gbs()
-    out.update(memory_floor(model, prompts, dtype, read_gbs))
+    out.update(memory_floor(model, prompts, dtype, read_gbs, kv_dtype))
     if long:
         step = _decode_step(llm, long)
-        out["long"] = {**step, **memory_floor(model, long, dtype, read_gbs)}
+        out["long"] = {**step, **memory_floor(model, long, dtype, read_gbs, kv_dtype)}
     return out
 
 
@@ -157,11 +159,12 @@ def read_rate_gbs(mib: int = 512) -> float:
     return n * 4 / best / 1e9
 
 
-def memory_floor(model, prompts: list[list[int]], dtype, read_gbs: float) -> dict:
+def memory_floor(model, prompts: list[list[int]], dtype, read_gbs: float, kv_dtype=None) -> dict:
     """The bytes one decode step at these prompts' contexts (+8 tokens, the middle of the 16
     steps timed) must read, and the time they take at `read_gbs`: each linear layer's and the
     LM head's weight in the form a decode pass reads (the AMX GEMM's copy where the layer has
-    one, else the weight in the compute dtype), and every request's K and V."""
+    one, else the weight in the compute dtype), and every request's K and V (in `kv_dtype`,
+    the cache's, when given)."""
     import torch
 
     from keel.model_executor.layers.linear import LinearBase
@@ -177,7 +180,7 @@ def memory_floor(model, prompts: list[list[int]], dtype, read_gbs: float) -> dic
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_token = (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim
-                 * torch.empty(0, dtype=dtype).element_size())
+                 * torch.empty(0, dtype=kv_dtype or dtype).element_size())
     kv = sum(len(p) + 8 for p in prompts) * per_token
     return {"weight_mb": weight / 1e6, "kv_mb": kv / 1e6, "read_gbs": read_gbs,
             "memory_floor_ms": (weight + kv) / read_gbs / 1e6}
@@ -468,7 +471,8 @@ def report(args) -> None:
         child = Child(args, *key, folder, f.name)
         info = child.info
         print(f"  {key[0]:5s} {key[1]:9s} loaded: start-up {info['startup_s']:.1f} s"
-              + (f", computes in {info['dtype']}" if key[0] == "keel" else ""), flush=True)
+              + (f", computes in {info['dtype']}, K/V in {info.get('kv_dtype', info['dtype'])}"
+                 if key[0] == "keel" else ""), flush=True)
         best.setdefault(key, dict(info))
         return child
 

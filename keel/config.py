@@ -72,6 +72,8 @@ class ModelConfig:
     pooler_config: Any = field(init=False, default=None)  # PoolerConfig when pooling
     is_encoder_only: bool = field(init=False, default=False)
     quantization_method: str | None = field(init=False, default=None)
+    # The KV cache's dtype under kv_cache_dtype="auto" (set with torch_dtype).
+    auto_kv_cache_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         from keel.model_executor.hf_config import load_hf_config
@@ -92,6 +94,7 @@ class ModelConfig:
         self.torch_dtype = self._resolve_dtype()
         self._resolve_quantization()
         self._auto_bfloat16()
+        self.auto_kv_cache_dtype = self._auto_kv_cache_dtype()
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         limit = min(limit, self._sentence_transformers_max_len() or limit)
         if self.max_logprobs < 0:
@@ -171,6 +174,19 @@ class ModelConfig:
                         "(AMX tiles); pass dtype='float32' to keep float32.")
             self.torch_dtype = torch.bfloat16
 
+    def _auto_kv_cache_dtype(self) -> torch.dtype:
+        """dtype="auto" on a CPU that computes a float32 model in float32 (no AMX tiles) keeps
+        its K/V in bfloat16, as llama.cpp keeps a float32 model's in float16: a long decode
+        step reads every request's K/V once per layer, and half the bytes made the CPU
+        attention ~1.3x faster (BENCHMARKS.md, twenty-sixth round); the arithmetic stays
+        float32. Only for a generating model whose weights are not kept quantized (as
+        _auto_bfloat16 decides); an explicit dtype keeps the cache in that dtype."""
+        if (self.dtype == "auto" and self.torch_dtype == torch.float32
+                and self.torch_device.type == "cpu" and self.runner_type == "generate"
+                and self.quantization_method is None):
+            return torch.bfloat16
+        return self.torch_dtype
+
     def _sentence_transformers_max_len(self) -> int | None:
         """A sentence-transformers folder's `max_seq_length` (its encode() truncates there)."""
         path = self.model_path / "sentence_bert_config.json"
@@ -235,7 +251,12 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True  # as in vLLM v1
+    # The K/V's dtype in the cache: "auto" (the model's compute dtype, except bfloat16 under
+    # dtype="auto" where a CPU computes a float32 model in float32), "float32", or
+    # "bfloat16" (also under float32 compute: half the bytes, the arithmetic in float32).
+    cache_dtype: str = "auto"
     num_blocks: int = field(init=False, default=0)  # set by the worker after sizing
+    kv_torch_dtype: torch.dtype | None = field(init=False, default=None)  # set by EngineConfig
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -250,6 +271,24 @@ class CacheConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
+        if self.cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"Unknown kv_cache_dtype {self.cache_dtype!r}: use auto, float32 "
+                             "or bfloat16.")
+
+    def resolve_kv_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """The cache's torch dtype for this model (kept in kv_torch_dtype)."""
+        compute = model_config.torch_dtype
+        if self.cache_dtype == "auto":
+            dt = model_config.auto_kv_cache_dtype
+        else:
+            dt = _DTYPES[self.cache_dtype]
+            if dt != compute and not (compute == torch.float32 and dt == torch.bfloat16):
+                raise ValueError(
+                    f"kv_cache_dtype={self.cache_dtype!r} under dtype {str(compute)[6:]}: the "
+                    "cache may be the compute dtype, or bfloat16 under float32; pass "
+                    f"kv_cache_dtype='auto' or {str(compute)[6:]!r}.")
+        self.kv_torch_dtype = dt
+        return dt
 
 
 @dataclass
@@ -366,6 +405,7 @@ class EngineConfig:
             # The seed: the default is decided here, not in Executor.get_class.
             pc.distributed_executor_backend = "uni" if pc.world_size == 1 else "mp"
         sc, cc = self.scheduler_config, self.cache_config
+        cc.resolve_kv_dtype(self.model_config)
         sc.max_model_len = self.model_config.max_model_len
         if sc.max_num_batched_tokens < cc.block_size:
             raise ValueError(

@@ -378,8 +378,14 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
                     at::Tensor value_cache, at::Tensor slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4,
               "write_kv_cache: bad ranks");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-              value.scalar_type() == key_cache.scalar_type(), "write_kv_cache: dtype mismatch");
+  // The cache holds the rows' dtype, or bfloat16 for float32 rows (kv_cache_dtype), which
+  // are rounded as torch's .to(torch.bfloat16) rounds them.
+  const bool narrow = key.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type() &&
+                  (key.scalar_type() == key_cache.scalar_type() || narrow),
+              "write_kv_cache: ", key.scalar_type(), " rows into a ", key_cache.scalar_type(),
+              " cache (the cache is the rows' dtype, or bfloat16 for float32 rows)");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes(),
               "write_kv_cache: KV caches must be contiguous and alike");
@@ -396,6 +402,29 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv_cache: slot ", slots[t],
                 " outside the cache of ", num_slots, " slots");
+  if (narrow) {
+    const float* k = key.data_ptr<float>();
+    const float* v = value.data_ptr<float>();
+    c10::BFloat16* kc = key_cache.data_ptr<c10::BFloat16>();
+    c10::BFloat16* vc = value_cache.data_ptr<c10::BFloat16>();
+    const int64_t ks = key.stride(0), vs = value.stride(0);
+    auto round_row = [D](const float* src, c10::BFloat16* dst) {
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8) keel::store8(dst + d, keel::load8(src + d));
+      for (; d < D; ++d) dst[d] = c10::BFloat16(src[d]);
+    };
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t block = slots[t] / bs, off = slots[t] % bs;
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const int64_t dst = ((block * Hkv + h) * bs + off) * D;
+          round_row(k + t * ks + h * D, kc + dst);
+          round_row(v + t * vs + h * D, vc + dst);
+        }
+      }
+    });
+    return;
+  }
   const int64_t es = key.element_size(), bytes = D * es;
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());

@@ -9,12 +9,14 @@
 // model this reads K and V from memory ~1.1-1.2x faster than a pass over K then one over V per
 // (row, KV head) did, which stalled on each 4 KiB run (BENCHMARKS.md, eighth round). In
 // bfloat16 on a CPU with AVX512-BF16 they take `decode_row_bf16`: the same chunks, with the
-// scores and the values both on `vdpbf16ps` (twenty-first round). Other shapes take a plain
-// loop. Work is split over rows (or (row, KV head) pairs when rows are
+// scores and the values both on `vdpbf16ps` (twenty-first round); elsewhere a bfloat16 cache
+// (under a bfloat16 query, or a float32 one: kv_cache_dtype) is read split into even and odd
+// dims (`load_split`). Other shapes take a plain loop. Work is split over rows (or (row, KV head) pairs when rows are
 // few), claimed by torch's threads in runs (claims.h); the G = num_heads / num_kv_heads query
 // heads of a group share every key and value they read.
 //
-//   query        [T, H, D]                 one query token per row (rows may be strided)
+//   query        [T, H, D]                 one query token per row (rows may be strided); the
+//                                          caches' dtype, or float32 over bfloat16 caches
 //   key_cache    [num_blocks, Hkv, block_size, D]   head-major blocks: one KV head's keys of
 //   value_cache  [num_blocks, Hkv, block_size, D]   a block are one contiguous run (4 KiB)
 //   block_table  [R, max_blocks] int32     one row per request
@@ -169,6 +171,82 @@ inline void values_tile(const float* p, int64_t p_stride, const T* const* vblk, 
   for (int g = 0; g < GT; ++g)
     for (int c = 0; c < 4; ++c) store8(acc + g * acc_stride + c * 8, a[g][c]);
 }
+
+// A bfloat16 cache without bfloat16 dot products (`decode_row` with T = bfloat16, under a float32
+// query or a bfloat16 one): each 32-bit word of a loaded row holds an even dim (low half) and
+// the next odd one (high half), and a shift and a mask make them two float vectors, with no
+// widening load per 8 values. The query is kept split the same way ([8 even | 8 odd] per 16
+// dims) and so are the value accumulators, put back in order at the end (`unsplit16`). Where
+// every value was widened on load, this path was compute-bound at about float32's key rate
+// (half the bytes, no faster: BENCHMARKS.md, twenty-sixth round).
+#if defined(__AVX2__)
+#define KEEL_SPLIT_BF16 1
+inline void load_split(const c10::BFloat16* p, v8& even, v8& odd) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = (v8)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  odd = (v8)_mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// scores8 over bfloat16 keys, the query split: D % 16 == 0.
+inline v8 scores8_split(const float* qs, const c10::BFloat16* k, int64_t D) {
+  v8 a[8] = {};
+  for (int64_t c = 0; c < D; c += 16) {
+    const v8 qe = load8(qs + c), qo = load8(qs + c + 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      v8 e, o;
+      load_split(k + i * D + c, e, o);
+      a[i] += qe * e;
+      a[i] += qo * o;
+    }
+  }
+  return reduce8(a);
+}
+
+// values_tile over bfloat16 values: acc[g][32 dims from d0] in the split order.
+template <int GT>
+inline void values_tile_split(const float* p, int64_t p_stride, const c10::BFloat16* const* vblk,
+                              int64_t bs, int64_t D, int64_t d0, int64_t lo, int64_t hi,
+                              float* acc, int64_t acc_stride) {
+  v8 a[GT][4];
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < 4; ++c) a[g][c] = load8(acc + g * acc_stride + c * 8);
+  for (int64_t bi = lo / bs; bi * bs < hi; ++bi) {
+    const int64_t t0 = std::max<int64_t>(lo - bi * bs, 0), t1 = std::min(hi - bi * bs, bs);
+    const c10::BFloat16* vb = vblk[bi] + d0;
+    const float* pb = p + bi * bs;
+    for (int64_t t = t0; t < t1; ++t) {
+      v8 v0, v1, v2, v3;
+      load_split(vb + t * D, v0, v1);
+      load_split(vb + t * D + 16, v2, v3);
+#pragma GCC unroll 4
+      for (int g = 0; g < GT; ++g) {
+        const v8 pg = keel::splat8(pb[g * p_stride + t]);
+        a[g][0] += pg * v0;
+        a[g][1] += pg * v1;
+        a[g][2] += pg * v2;
+        a[g][3] += pg * v3;
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < 4; ++c) store8(acc + g * acc_stride + c * 8, a[g][c]);
+}
+
+// 16 dims in the split order ([8 even | 8 odd]) back in order, times `scale`.
+template <typename TQ>
+inline void unsplit16(const float* acc, float scale, TQ* out) {
+  const __m256 e = _mm256_loadu_ps(acc), o = _mm256_loadu_ps(acc + 8);
+  const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+  const v8 s = keel::splat8(scale);
+  store8(out, (v8)_mm256_permute2f128_ps(lo, hi, 0x20) * s);
+  store8(out + 8, (v8)_mm256_permute2f128_ps(lo, hi, 0x31) * s);
+}
+#else
+#define KEEL_SPLIT_BF16 0
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
 #define KEEL_BF16_DOT 1
@@ -420,13 +498,14 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
 // pass over its keys: chunks of kChunkKeys keys (whole blocks), each chunk's keys and values
 // of every head read together with an online softmax, so K and V stream from memory once
 // and side by side. Needs D % 32 == 0 and block_size % 8 == 0.
-template <typename T>
-void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, int64_t bs,
+template <typename TQ, typename T>
+void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row, int64_t bs,
                 int64_t block_elems, int64_t start, int64_t len, int64_t h0, int64_t h1,
-                int64_t G, int64_t D, float scale, T* out, Scratch& w) {
+                int64_t G, int64_t D, float scale, TQ* out, Scratch& w) {
   const int64_t nh = h1 - h0, nq = nh * G, run = bs * D;  // run: one head's keys of a block
   const int64_t cb = std::max<int64_t>(1, kChunkKeys / bs), span = cb * bs;
   const float ninf = -std::numeric_limits<float>::infinity();
+  constexpr bool split = KEEL_SPLIT_BF16 && std::is_same_v<T, c10::BFloat16>;
   w.q.resize(nq * D);
   w.acc.assign(nq * D, 0.f);
   w.m.assign(nq, ninf);
@@ -435,6 +514,15 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
   for (int64_t x = 0; x < nq; ++x)
     for (int64_t d = 0; d < D; d += 8)
       store8(w.q.data() + x * D + d, load8(q + x * D + d) * scale);
+  if constexpr (split) {  // each 16 dims as [8 even | 8 odd]
+    float tmp[16];
+    for (int64_t x = 0; x < nq; ++x)
+      for (int64_t d = 0; d < D; d += 16) {
+        float* qd = w.q.data() + x * D + d;
+        std::memcpy(tmp, qd, sizeof(tmp));
+        for (int i = 0; i < 8; ++i) qd[i] = tmp[2 * i], qd[8 + i] = tmp[2 * i + 1];
+      }
+  }
   const int64_t b_end = (len + bs - 1) / bs;
   const int64_t tiles = (G + 1) / 2;
   const int64_t steps = nh * (G * span / 8 + tiles * D / 32);  // pf.step() per chunk
@@ -456,7 +544,15 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
         float* sg = s + g * span;
         for (int64_t j = lo8; j < hi8; j += 8) {
           pf.step();
-          store8(sg + j, scores8(w.q.data() + (x0 + g) * D, kblk[j / bs] + (j % bs) * D, D));
+          const float* qg = w.q.data() + (x0 + g) * D;
+          const T* kj = kblk[j / bs] + (j % bs) * D;
+#if KEEL_SPLIT_BF16
+          if constexpr (split) {
+            store8(sg + j, scores8_split(qg, kj, D));
+            continue;
+          }
+#endif
+          store8(sg + j, scores8(qg, kj, D));
         }
         for (int64_t j = lo8; j < lo; ++j) sg[j] = ninf;
         for (int64_t j = hi; j < hi8; ++j) sg[j] = ninf;
@@ -490,6 +586,15 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
       for (int64_t g = 0; g < G; g += 2)
         for (int64_t d = 0; d < D; d += 32) {
           pf.step();
+#if KEEL_SPLIT_BF16
+          if constexpr (split) {
+            if (g + 1 < G)
+              values_tile_split<2>(s + g * span, span, vblk, bs, D, d, lo, hi, a + g * D + d, D);
+            else
+              values_tile_split<1>(s + g * span, span, vblk, bs, D, d, lo, hi, a + g * D + d, D);
+            continue;
+          }
+#endif
           if (g + 1 < G)
             values_tile<2>(s + g * span, span, vblk, bs, D, d, lo, hi, a + g * D + d, D);
           else
@@ -499,12 +604,18 @@ void decode_row(const T* q, const T* k_ptr, const T* v_ptr, const int32_t* row, 
   }
   for (int64_t x = 0; x < nq; ++x) {
     const float inv = 1.f / w.l[x];
+#if KEEL_SPLIT_BF16
+    if constexpr (split) {
+      for (int64_t d = 0; d < D; d += 16) unsplit16(w.acc.data() + x * D + d, inv, out + x * D + d);
+      continue;
+    }
+#endif
     for (int64_t d = 0; d < D; d += 8)
       store8(out + x * D + d, load8(w.acc.data() + x * D + d) * inv);
   }
 }
 
-template <typename T>
+template <typename TQ, typename T>
 void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_table,
                    const at::Tensor& seq_lens, const int32_t* rows, at::Tensor& out,
@@ -512,13 +623,13 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t R = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t Hkv = key_cache.size(1), bs = key_cache.size(2);
   const int64_t G = H / Hkv, max_blocks = block_table.size(1);
-  const T* q_ptr = query.data_ptr<T>();
+  const TQ* q_ptr = query.data_ptr<TQ>();
   const int64_t q_stride = query.stride(0);  // rows may be strided (views of a qkv output)
   const T* k_ptr = key_cache.data_ptr<T>();
   const T* v_ptr = value_cache.data_ptr<T>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  T* o_ptr = out.data_ptr<T>();
+  TQ* o_ptr = out.data_ptr<TQ>();
   const int64_t block_elems = Hkv * bs * D;  // between blocks; a head's run is bs * D
 
   // Common shapes take decode_row; an item is one row with all its KV heads where there are
@@ -543,7 +654,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       const int32_t* row = table_row(r);
       if (fast) {
 #if KEEL_BF16_DOT
-        if constexpr (std::is_same_v<T, bf16>) {
+        if constexpr (std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16>) {
           NextItem nx;
           if (const int64_t r2 = (item + 1) / per_row; item + 1 < end && sl[r2] > first_key(r2)) {
             nx.row = table_row(r2);
@@ -557,7 +668,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
           continue;
         }
 #endif
-        decode_row<T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
+        decode_row<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
                       start, len, hk, hk + hpi, G, D, static_cast<float>(scale),
                       o_ptr + (r * H + hk * G) * D, w);
         continue;
@@ -603,7 +714,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       });
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
-          o_ptr[(r * H + hk * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+          o_ptr[(r * H + hk * G + g) * D + d] = static_cast<TQ>(acc[g * D + d]);
     }
   };
   // The threads claim runs of items (claims.h): rows' contexts differ, and so do the cores'
@@ -627,7 +738,14 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
                            std::optional<at::Tensor> rows, double scale,
                            int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "paged_attention: bad ranks");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "paged_attention: dtype mismatch");
+  // The cache holds the query's dtype, or bfloat16 under a float32 query (kv_cache_dtype).
+  const bool mixed = query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() || mixed,
+              "paged_attention: a ", key_cache.scalar_type(), " KV cache under a ",
+              query.scalar_type(), " query (the cache is the query's dtype, or bfloat16 under "
+              "float32)");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_attention: key and value caches differ in dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "paged_attention: heads % kv_heads != 0");
   TORCH_CHECK(query.size(2) == key_cache.size(3) && value_cache.sizes() == key_cache.sizes(),
               "paged_attention: head size or cache shapes differ");
@@ -644,10 +762,15 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
               "paged_attention: KV cache must be contiguous");
   auto out = at::empty(query.sizes(), query.options());
   const int32_t* rows_ptr = row_map.defined() ? row_map.data_ptr<int32_t>() : nullptr;
+  if (mixed) {
+    decode_kernel<float, c10::BFloat16>(query, key_cache, value_cache, block_table, seq_lens,
+                                        rows_ptr, out, scale, sliding_window);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),
                                   "paged_attention", [&] {
-    decode_kernel<scalar_t>(query, key_cache, value_cache, block_table, seq_lens, rows_ptr, out,
-                            scale, sliding_window);
+    decode_kernel<scalar_t, scalar_t>(query, key_cache, value_cache, block_table, seq_lens,
+                                      rows_ptr, out, scale, sliding_window);
   });
   return out;
 }

@@ -25,6 +25,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory_gib: float | None = None
+    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 (see CacheConfig.cache_dtype)
     num_gpu_blocks_override: int | None = None
     distributed_executor_backend: str | type | None = None
     seed: int = 0
@@ -57,6 +58,7 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_gib=self.kv_cache_memory_gib,
+                cache_dtype=self.kv_cache_dtype,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,

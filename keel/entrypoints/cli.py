@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV cache budget on the CPU (default: a modest share of free memory)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the KV cache's dtype (auto: the compute dtype, except bfloat16 under "
+                   "--dtype auto where a CPU computes a float32 model in float32)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--distributed-executor-backend", default=None,

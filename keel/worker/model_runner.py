@@ -98,9 +98,10 @@ class ModelRunner(SampleTokensMixin):
         self.model = load_model(self.config.model_config)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        mc = self.config.model_config
+        mc, cc = self.config.model_config, self.config.cache_config
         self.kv_caches = allocate_kv_caches(
-            self.model, num_blocks, self.block_size, mc.torch_dtype, self.device
+            self.model, num_blocks, self.block_size, cc.kv_torch_dtype or mc.torch_dtype,
+            self.device
         )
 
     # ---- step 2: the diff -------------------------------------------------------------------

@@ -86,7 +86,8 @@ class Worker:
         """How many KV blocks fit the memory budget (capped at what max_num_seqs requests of
         max_model_len tokens could ever use)."""
         cc, mc = self.config.cache_config, self.config.model_config
-        per_block = kv_cache_bytes_per_block(self.model_runner.model, cc.block_size, mc.torch_dtype)
+        per_block = kv_cache_bytes_per_block(self.model_runner.model, cc.block_size,
+                                             cc.kv_torch_dtype or mc.torch_dtype)
         blocks_per_seq = -(-mc.max_model_len // cc.block_size)
         useful = blocks_per_seq * self.config.scheduler_config.max_num_seqs
         if per_block == 0:

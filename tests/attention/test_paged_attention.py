@@ -35,11 +35,15 @@ def dense_reference(q_seqs, k_seqs, v_seqs, q_lens, scale, window):
 
 
 def run_case(seq_lens, q_lens, heads, kv_heads, head_dim, dtype, window, block_size=4,
-             fill=0.0):
+             fill=0.0, cache_dtype=None):
+    """(output, reference). `cache_dtype`: the cache's dtype where it differs from the
+    queries' (bfloat16 under float32); the reference then sees the K/V as the cache keeps
+    them, rounded."""
     g = torch.Generator().manual_seed(0)
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 3
     # Slots no request has written hold `fill` (a real cache's hold whatever was there).
-    cache = torch.full((2, num_blocks, kv_heads, block_size, head_dim), fill, dtype=dtype)
+    cache = torch.full((2, num_blocks, kv_heads, block_size, head_dim), fill,
+                       dtype=cache_dtype or dtype)
     # Scatter the blocks (shuffled) so the block table matters.
     perm = torch.randperm(num_blocks, generator=g).tolist()
     max_blocks = max(math.ceil(s / block_size) for s in seq_lens)
@@ -70,6 +74,10 @@ def run_case(seq_lens, q_lens, heads, kv_heads, head_dim, dtype, window, block_s
     scale = head_dim**-0.5
     out = paged_attention(torch.cat(q_seqs), torch.stack(new_k), torch.stack(new_v), cache,
                           meta, scale, window)
+    assert out.dtype == dtype
+    if cache_dtype is not None:
+        k_seqs = [k.to(cache_dtype) for k in k_seqs]
+        v_seqs = [v.to(cache_dtype) for v in v_seqs]
     ref = dense_reference(q_seqs, k_seqs, v_seqs, q_lens, scale, window)
     return out.float(), ref
 
@@ -225,6 +233,65 @@ def test_decode_rows_never_read_unwritten_slots(dtype, head_dim):
                             fill=float("nan"))
         assert not out.isnan().any()
         assert (out - ref).abs().max().item() < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
+                         [(9, 3, 64, 16), (16, 1, 32, 8), (4, 1, 128, 16), (8, 2, 40, 4)])
+def test_float32_queries_over_a_bfloat16_cache(monkeypatch, use_kernel, window, heads, kv_heads,
+                                               head_dim, block_size):
+    """kv_cache_dtype="bfloat16" under float32: this pass's K/V are rounded into the cache and
+    every row reads them back widened, the arithmetic in float32, so the result is float32
+    attention over the rounded K/V (the kernel's split path for head sizes of 32, 64, 128 with
+    blocks of 8 or 16; its plain loop for 40 or blocks of 4; the torch path)."""
+    use_kernel_or_torch(monkeypatch, use_kernel)
+    seq_lens = [1, 13, 40, 64, 5, 150, 97]
+    out, ref = run_case(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim,
+                        torch.float32, window, block_size, cache_dtype=torch.bfloat16)
+    assert (out - ref).abs().max().item() < 1e-5
+    out, ref = run_case([9, 17, 4, 30], [9, 6, 1, 1], heads, kv_heads, head_dim,
+                        torch.float32, window, block_size, cache_dtype=torch.bfloat16)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("prefill_kernel", [True, False])
+def test_long_chunks_over_a_bfloat16_cache(monkeypatch, prefill_kernel):
+    """A long chunk after context reads its context from a bfloat16 cache, widened to its
+    float32 queries (keel's prefill kernel or SDPA); a whole long prompt attends to its own
+    float32 K/V, which differ from the cached ones by their rounding."""
+    monkeypatch.setattr(torch_paged, "CPU_KERNEL_MAX_QUERY_LEN", 8)
+    monkeypatch.setattr(torch_paged, "_PREFILL_KERNEL", prefill_kernel)
+    out, ref = run_case([9, 17, 4, 30, 30], [9, 6, 1, 1, 12], 9, 3, 64, torch.float32, None,
+                        16, cache_dtype=torch.bfloat16)
+    assert (out - ref).abs().max().item() < 2e-2
+    # The chunk after context (the last 12 rows) read exactly the rounded keys.
+    assert (out[-12:] - ref[-12:]).abs().max().item() < 1e-5
+
+
+def test_kernel_writes_float32_rows_into_a_bfloat16_cache():
+    """The compiled K/V write rounds float32 rows into a bfloat16 cache as torch's
+    .to(torch.bfloat16) does (to nearest even), and refuses other mixes."""
+    ops = get_cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(5)
+    cache = torch.zeros(2, 6, 3, 4, 64, dtype=torch.bfloat16)
+    kv = torch.randn(10, 2 * 3 * 64, generator=g) * 3  # strided rows of one [T, k | v] buffer
+    key, value = kv[:, :192].view(10, 3, 64), kv[:, 192:].view(10, 3, 64)
+    slots = torch.randperm(24, generator=g)[:10]
+    want = cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        want[0, slot // 4, :, slot % 4] = key[t].to(torch.bfloat16)
+        want[1, slot // 4, :, slot % 4] = value[t].to(torch.bfloat16)
+    ops.write_kv_cache(key, value, cache[0], cache[1], slots)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="BFloat16 rows into a Float cache"):
+        ops.write_kv_cache(key.bfloat16(), value.bfloat16(), cache[0].float(),
+                           cache[1].float(), slots)
+    with pytest.raises(RuntimeError, match="Float KV cache under a BFloat16 query"):
+        ops.paged_attention(torch.randn(2, 9, 64).bfloat16(), cache[0].float(), cache[1].float(),
+                            torch.zeros(2, 2, dtype=torch.int32), torch.tensor([3, 4]), None,
+                            0.125, 0)
 
 
 def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):

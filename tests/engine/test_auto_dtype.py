@@ -3,6 +3,7 @@ computes in bfloat16 (as vLLM's "auto" does for every float32 checkpoint)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from keel import config
@@ -27,3 +28,64 @@ def test_float32_model_computes_in_bfloat16_only_where_the_cpu_has_amx(hf_model_
 def test_amx_check_reads_this_cpu():
     assert config.cpu_has_amx_bfloat16() == (
         torch.cpu._is_amx_tile_supported() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _kv_dtype(folder, monkeypatch, amx: bool, **kw) -> torch.dtype:
+    from keel.config import CacheConfig
+
+    monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: amx)
+    cache_dtype = kw.pop("kv_cache_dtype", "auto")
+    return CacheConfig(cache_dtype=cache_dtype).resolve_kv_dtype(
+        ModelConfig(folder, device="cpu", **kw))
+
+
+def test_auto_keeps_a_float32_models_kv_cache_in_bfloat16_on_cpus_without_amx(
+        hf_model_dir, monkeypatch):
+    """dtype="auto" where the CPU computes a float32 model in float32: float32 arithmetic over
+    a bfloat16 KV cache (half the bytes a decode step reads). An explicit dtype, weights kept
+    quantized, and an embedding model keep the cache in the compute dtype; with AMX the
+    model computes in bfloat16 and so does its cache."""
+    folder = hf_model_dir("llama")  # saved in float32
+    assert _kv_dtype(folder, monkeypatch, amx=False) == torch.bfloat16
+    assert _kv_dtype(folder, monkeypatch, amx=True) == torch.bfloat16
+    assert _kv_dtype(folder, monkeypatch, amx=False, dtype="float32") == torch.float32
+    assert _kv_dtype(folder, monkeypatch, amx=False, quantization="int8") == torch.float32
+    assert _kv_dtype(folder, monkeypatch, amx=False, runner="pooling") == torch.float32
+    # Asked for by name.
+    assert _kv_dtype(folder, monkeypatch, amx=False, kv_cache_dtype="float32") == torch.float32
+    assert _kv_dtype(folder, monkeypatch, amx=False, dtype="float32",
+                     kv_cache_dtype="bfloat16") == torch.bfloat16
+    assert _kv_dtype(folder, monkeypatch, amx=False, dtype="bfloat16",
+                     kv_cache_dtype="bfloat16") == torch.bfloat16
+
+
+def test_bad_kv_cache_dtype_names_the_choices(hf_model_dir, monkeypatch):
+    folder = hf_model_dir("llama")
+    with pytest.raises(ValueError, match="use auto, float32 or bfloat16"):
+        _kv_dtype(folder, monkeypatch, amx=False, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="the cache may be the compute dtype, or bfloat16"):
+        _kv_dtype(folder, monkeypatch, amx=False, dtype="bfloat16", kv_cache_dtype="float32")
+
+
+def test_engine_allocates_the_resolved_kv_cache_dtype(hf_model_dir, monkeypatch):
+    """The worker sizes and allocates the cache in kv_cache_dtype: the same budget holds
+    twice the blocks in bfloat16, and the engine's greedy tokens over it stay close to float32
+    (the rounding of K/V moves log-probabilities by little)."""
+    from keel import LLM, SamplingParams
+
+    monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: False)
+    folder = hf_model_dir("llama")
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": [5, 17, 33, 9, 41, 2, 77]}]
+    runs = {}
+    for kv in ("auto", "float32"):
+        llm = LLM(folder, kv_cache_memory_gib=0.0625, max_model_len=256, max_num_seqs=1024,
+                  kv_cache_dtype=kv)
+        runner = llm.engine_core.model_executor.driver_worker.model_runner
+        out = llm.generate(prompts, sp, use_tqdm=False)[0].outputs[0]
+        runs[kv] = (runner.kv_caches[0].dtype, runner.kv_caches[0].shape[1],
+                    [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)])
+        del llm
+    assert runs["auto"][0] == torch.bfloat16 and runs["float32"][0] == torch.float32
+    assert runs["auto"][1] in (2 * runs["float32"][1], 2 * runs["float32"][1] + 1)
+    assert max(abs(a - b) for a, b in zip(runs["auto"][2], runs["float32"][2])) < 0.05

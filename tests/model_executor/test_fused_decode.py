@@ -33,7 +33,7 @@ SHORT = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1
 
 
 def generate(folder: str, quantization: str | None, fused: bool, monkeypatch, prompts=PROMPTS,
-             dtype: str = "float32"):
+             dtype: str = "float32", kv_cache_dtype: str = "auto"):
     """(token ids, per-token logprobs, fused passes, Python passes)."""
     monkeypatch.setenv("KEEL_FUSED_DECODE", "1" if fused else "0")
     calls = {"fused": 0, "python": 0}
@@ -48,7 +48,8 @@ def generate(folder: str, quantization: str | None, fused: bool, monkeypatch, pr
     # The kernel for passes of up to 4 rows, the dense GEMM above: fixed here, where the
     # engine measures it per layer shape (too close to call on these tiny layers).
     monkeypatch.setattr(quantize_model, "choose_rows_per_pass", rows_up_to_4)
-    llm = LLM(folder, quantization=quantization, kv_cache_memory_gib=0.0625, dtype=dtype)
+    llm = LLM(folder, quantization=quantization, kv_cache_memory_gib=0.0625, dtype=dtype,
+              kv_cache_dtype=kv_cache_dtype)
     sps = [LONG if i < 3 else SHORT for i in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -74,6 +75,22 @@ def test_fused_decode_is_bit_identical(arch, quantization, dtype, hf_model_dir, 
     assert off["fused"] == 0
     assert tok_on == tok_off
     assert lp_on == lp_off  # bit-identical, not merely close
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_fused_decode_over_a_bfloat16_cache_is_bit_identical(arch, hf_model_dir, monkeypatch):
+    """float32 arithmetic over a bfloat16 KV cache (kv_cache_dtype="bfloat16", what
+    dtype="auto" keeps on a CPU without AMX): the fused pass writes and reads the cache as
+    the Python layers do."""
+    folder = hf_model_dir(arch)
+    tok_on, lp_on, on = generate(folder, None, True, monkeypatch, kv_cache_dtype="bfloat16")
+    tok_off, lp_off, off = generate(folder, None, False, monkeypatch, kv_cache_dtype="bfloat16")
+    assert on["fused"] >= 39 and off["fused"] == 0
+    assert tok_on == tok_off
+    assert lp_on == lp_off
+    # ... and the bfloat16 cache is not the float32 one: the log-probabilities moved.
+    _, lp_f32, _ = generate(folder, None, True, monkeypatch, kv_cache_dtype="float32")
+    assert lp_f32 != lp_on
 
 
 def test_not_taken_where_it_does_not_apply(hf_model_dir, monkeypatch):

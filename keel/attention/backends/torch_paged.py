@@ -165,7 +165,10 @@ def write_kv_cache(
 ) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim] -> their slots in the cache."""
     ops = get_cpu_ops() if kv_cache.device.type == "cpu" else None
-    if ops is not None and key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype:
+    # keel's copy takes rows of the cache's dtype, or float32 rows into a bfloat16 cache.
+    if ops is not None and key.dtype == value.dtype and (
+            key.dtype == kv_cache.dtype
+            or (key.dtype == torch.float32 and kv_cache.dtype == torch.bfloat16)):
         ops.write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
         return
     block_size = kv_cache.shape[3]
@@ -208,8 +211,10 @@ def paged_attention(
     shape = (r, s // block_size, num_kv_heads, block_size, head_dim)
     k = kv_cache[0].index_select(0, blocks).view(shape).transpose(1, 2)
     v = kv_cache[1].index_select(0, blocks).view(shape).transpose(1, 2)
-    k = k.reshape(r, num_kv_heads, s, head_dim)
-    v = v.reshape(r, num_kv_heads, s, head_dim)
+    # A cache narrower than the query (kv_cache_dtype) is widened: the arithmetic stays in
+    # the query's dtype, as in keel's CPU kernels.
+    k = k.reshape(r, num_kv_heads, s, head_dim).to(query.dtype)
+    v = v.reshape(r, num_kv_heads, s, head_dim).to(query.dtype)
 
     if meta.query_rows is None:  # pure decode: one query per request, already in row order
         q = query.view(r, 1, num_heads, head_dim)
@@ -217,7 +222,7 @@ def paged_attention(
         q = query.new_zeros(r * q_len, num_heads, head_dim)
         q.index_copy_(0, meta.query_rows, query)
         q = q.view(r, q_len, num_heads, head_dim)
-    q = q.transpose(1, 2).to(k.dtype)  # [R, H, Q, D]
+    q = q.transpose(1, 2)  # [R, H, Q, D]
 
     out = F.scaled_dot_product_attention(
         q,
@@ -230,7 +235,7 @@ def paged_attention(
     out = out.transpose(1, 2).reshape(r * q_len, num_heads * head_dim)
     if meta.query_rows is not None:
         out = out.index_select(0, meta.query_rows)
-    return out.to(query.dtype)
+    return out
 
 
 _long_chunk_kernels: dict[tuple, str | None] = {}  # (dtype, H, Hkv, D) -> measured once
@@ -285,7 +290,7 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
         out.index_copy_(0, idx, rows.view(len(idx), -1))
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     kernel = None
-    if (_PREFILL_KERNEL and query.dtype == kv_cache.dtype
+    if (_PREFILL_KERNEL and query.dtype == key.dtype == value.dtype
             and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and head_dim % 16 == 0
             and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value))):
@@ -303,13 +308,14 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
             # [blocks, Hkv, block_size, D] -> [blocks * block_size, Hkv, D]
             k = kv_cache[0].index_select(0, blocks).transpose(1, 2)
             v = kv_cache[1].index_select(0, blocks).transpose(1, 2)
-            k = k.reshape(-1, num_kv_heads, head_dim)[:seq_len]
-            v = v.reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            # Widened where the cache is narrower than the query (kv_cache_dtype).
+            k = k.reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
+            v = v.reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
         if kernel is not None:  # ~2x SDPA's speed at 600 tokens (BENCHMARKS.md)
             kernel(query[start : start + q_len], k, v, out[start : start + q_len], scale,
                    sliding_window or 0)
             continue
-        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0).to(k.dtype)
+        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         mask = None
         if context or sliding_window:  # built once per pass, shared by every layer

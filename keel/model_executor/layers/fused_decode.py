@@ -120,7 +120,7 @@ class FusedDecode:
                 attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             cache = attn.attn.kv_cache
             if (any(lin is None for lin in linears) or not mlp.is_silu or cache is None
-                    or cache.dtype != dtype or not cache.is_contiguous()
+                    or cache.dtype not in (dtype, torch.bfloat16) or not cache.is_contiguous()
                     or layer.input_layernorm.weight.dtype != dtype):
                 return False
             cos, sin = attn.rotary_emb._cos_sin_in(dtype)

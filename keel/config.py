@@ -177,9 +177,9 @@ class ModelConfig:
     def _auto_kv_cache_dtype(self) -> torch.dtype:
         """dtype="auto" on a CPU that computes a float32 model in float32 (no AMX tiles) keeps
         its K/V in bfloat16, as llama.cpp keeps a float32 model's in float16: a long decode
-        step reads every request's K/V once per layer, and half the bytes made the CPU
-        attention ~1.3x faster (BENCHMARKS.md, twenty-sixth round); the arithmetic stays
-        float32. Only for a generating model whose weights are not kept quantized (as
+        step reads every request's K/V once per layer, and with half the bytes the CPU
+        attention ran ~1.9x faster and a long decode step 1.28-1.43x (BENCHMARKS.md,
+        twenty-sixth round); the arithmetic stays float32. Only for a generating model whose weights are not kept quantized (as
         _auto_bfloat16 decides); an explicit dtype keeps the cache in that dtype."""
         if (self.dtype == "auto" and self.torch_dtype == torch.float32
                 and self.torch_device.type == "cpu" and self.runner_type == "generate"

@@ -148,38 +148,6 @@ inline void head_runs(const T* k, const T* v, const int32_t* row, int64_t n, int
   }
 }
 
-// acc[GT query heads][32 dims from d0] += sum over the chunk's keys j in [lo, hi) of
-// p[g][j] * v[j], the keys' rows found block by block (vblk, bs keys each).
-template <int GT, typename T>
-inline void values_tile(const float* p, int64_t p_stride, const T* const* vblk, int64_t bs,
-                        int64_t D, int64_t d0, int64_t lo, int64_t hi, float* acc,
-                        int64_t acc_stride) {
-  v8 a[GT][4];
-#pragma GCC unroll 4
-  for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < 4; ++c) a[g][c] = load8(acc + g * acc_stride + c * 8);
-  for (int64_t bi = lo / bs; bi * bs < hi; ++bi) {
-    const int64_t t0 = std::max<int64_t>(lo - bi * bs, 0), t1 = std::min(hi - bi * bs, bs);
-    const T* vb = vblk[bi] + d0;
-    const float* pb = p + bi * bs;
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* vr = vb + t * D;
-      const v8 v0 = load8(vr), v1 = load8(vr + 8), v2 = load8(vr + 16), v3 = load8(vr + 24);
-#pragma GCC unroll 4
-      for (int g = 0; g < GT; ++g) {
-        const v8 pg = keel::splat8(pb[g * p_stride + t]);
-        a[g][0] += pg * v0;
-        a[g][1] += pg * v1;
-        a[g][2] += pg * v2;
-        a[g][3] += pg * v3;
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < 4; ++c) store8(acc + g * acc_stride + c * 8, a[g][c]);
-}
-
 // A bfloat16 cache without bfloat16 dot products (`decode_row` with T = bfloat16, under a float32
 // query or a bfloat16 one): each 32-bit word of a loaded row holds an even dim (low half) and
 // the next odd one (high half), and a shift and a mask make them two float vectors, with no
@@ -211,23 +179,46 @@ inline v8 scores8_split(const float* qs, const c10::BFloat16* k, int64_t D) {
   return reduce8(a);
 }
 
-// values_tile over bfloat16 values: acc[g][32 dims from d0] in the split order.
-template <int GT>
-inline void values_tile_split(const float* p, int64_t p_stride, const c10::BFloat16* const* vblk,
-                              int64_t bs, int64_t D, int64_t d0, int64_t lo, int64_t hi,
-                              float* acc, int64_t acc_stride) {
+// 16 dims in the split order ([8 even | 8 odd]) back in order, times `scale`.
+template <typename TQ>
+inline void unsplit16(const float* acc, float scale, TQ* out) {
+  const __m256 e = _mm256_loadu_ps(acc), o = _mm256_loadu_ps(acc + 8);
+  const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+  const v8 s = keel::splat8(scale);
+  store8(out, (v8)_mm256_permute2f128_ps(lo, hi, 0x20) * s);
+  store8(out + 8, (v8)_mm256_permute2f128_ps(lo, hi, 0x31) * s);
+}
+#else
+#define KEEL_SPLIT_BF16 0
+#endif
+
+// acc[GT query heads][32 dims from d0] += sum over the chunk's keys j in [lo, hi) of
+// p[g][j] * v[j], the keys' rows found block by block (vblk, bs keys each). `Split`: the
+// values are bfloat16, read split (load_split), and acc is in the split order.
+template <int GT, bool Split, typename T>
+inline void values_tile(const float* p, int64_t p_stride, const T* const* vblk, int64_t bs,
+                        int64_t D, int64_t d0, int64_t lo, int64_t hi, float* acc,
+                        int64_t acc_stride) {
   v8 a[GT][4];
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g)
     for (int c = 0; c < 4; ++c) a[g][c] = load8(acc + g * acc_stride + c * 8);
   for (int64_t bi = lo / bs; bi * bs < hi; ++bi) {
     const int64_t t0 = std::max<int64_t>(lo - bi * bs, 0), t1 = std::min(hi - bi * bs, bs);
-    const c10::BFloat16* vb = vblk[bi] + d0;
+    const T* vb = vblk[bi] + d0;
     const float* pb = p + bi * bs;
     for (int64_t t = t0; t < t1; ++t) {
+      const T* vr = vb + t * D;
       v8 v0, v1, v2, v3;
-      load_split(vb + t * D, v0, v1);
-      load_split(vb + t * D + 16, v2, v3);
+#if KEEL_SPLIT_BF16
+      if constexpr (Split) {
+        load_split(vr, v0, v1);
+        load_split(vr + 16, v2, v3);
+      } else
+#endif
+      {
+        v0 = load8(vr), v1 = load8(vr + 8), v2 = load8(vr + 16), v3 = load8(vr + 24);
+      }
 #pragma GCC unroll 4
       for (int g = 0; g < GT; ++g) {
         const v8 pg = keel::splat8(pb[g * p_stride + t]);
@@ -242,19 +233,6 @@ inline void values_tile_split(const float* p, int64_t p_stride, const c10::BFloa
   for (int g = 0; g < GT; ++g)
     for (int c = 0; c < 4; ++c) store8(acc + g * acc_stride + c * 8, a[g][c]);
 }
-
-// 16 dims in the split order ([8 even | 8 odd]) back in order, times `scale`.
-template <typename TQ>
-inline void unsplit16(const float* acc, float scale, TQ* out) {
-  const __m256 e = _mm256_loadu_ps(acc), o = _mm256_loadu_ps(acc + 8);
-  const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
-  const v8 s = keel::splat8(scale);
-  store8(out, (v8)_mm256_permute2f128_ps(lo, hi, 0x20) * s);
-  store8(out + 8, (v8)_mm256_permute2f128_ps(lo, hi, 0x31) * s);
-}
-#else
-#define KEEL_SPLIT_BF16 0
-#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
 #define KEEL_BF16_DOT 1
@@ -594,19 +572,10 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
       for (int64_t g = 0; g < G; g += 2)
         for (int64_t d = 0; d < D; d += 32) {
           pf.step();
-#if KEEL_SPLIT_BF16
-          if constexpr (split) {
-            if (g + 1 < G)
-              values_tile_split<2>(s + g * span, span, vblk, bs, D, d, lo, hi, a + g * D + d, D);
-            else
-              values_tile_split<1>(s + g * span, span, vblk, bs, D, d, lo, hi, a + g * D + d, D);
-            continue;
-          }
-#endif
           if (g + 1 < G)
-            values_tile<2>(s + g * span, span, vblk, bs, D, d, lo, hi, a + g * D + d, D);
+            values_tile<2, split>(s + g * span, span, vblk, bs, D, d, lo, hi, a + g * D + d, D);
           else
-            values_tile<1>(s + g * span, span, vblk, bs, D, d, lo, hi, a + g * D + d, D);
+            values_tile<1, split>(s + g * span, span, vblk, bs, D, d, lo, hi, a + g * D + d, D);
         }
     }
   }

@@ -11,9 +11,9 @@
 // bfloat16 on a CPU with AVX512-BF16 they take `decode_row_bf16`: the same chunks, with the
 // scores and the values both on `vdpbf16ps` (twenty-first round); elsewhere a bfloat16 cache
 // (under a bfloat16 query, or a float32 one: kv_cache_dtype) is read split into even and odd
-// dims (`load_split`). Other shapes take a plain loop. Work is split over rows (or (row, KV head) pairs when rows are
-// few), claimed by torch's threads in runs (claims.h); the G = num_heads / num_kv_heads query
-// heads of a group share every key and value they read.
+// dims (`load_split`). Other shapes take a plain loop. Work is split over rows (or (row, KV
+// head) pairs when rows are few), claimed by torch's threads in runs (claims.h); the
+// G = num_heads / num_kv_heads query heads of a group share every key and value they read.
 //
 //   query        [T, H, D]                 one query token per row (rows may be strided); the
 //                                          caches' dtype, or float32 over bfloat16 caches
@@ -497,17 +497,14 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
   w.m.assign(nq, ninf);
   w.l.assign(nq, 0.f);
   w.s.resize(G * span);
-  for (int64_t x = 0; x < nq; ++x)
-    for (int64_t d = 0; d < D; d += 8)
-      store8(w.q.data() + x * D + d, load8(q + x * D + d) * scale);
   if constexpr (split) {  // each 16 dims as [8 even | 8 odd]
-    float tmp[16];
-    for (int64_t x = 0; x < nq; ++x)
-      for (int64_t d = 0; d < D; d += 16) {
-        float* qd = w.q.data() + x * D + d;
-        std::memcpy(tmp, qd, sizeof(tmp));
-        for (int i = 0; i < 8; ++i) qd[i] = tmp[2 * i], qd[8 + i] = tmp[2 * i + 1];
+    for (int64_t x = 0; x < nq * D; x += 16)
+      for (int i = 0; i < 8; ++i) {
+        w.q[x + i] = static_cast<float>(q[x + 2 * i]) * scale;
+        w.q[x + 8 + i] = static_cast<float>(q[x + 2 * i + 1]) * scale;
       }
+  } else {
+    for (int64_t x = 0; x < nq * D; x += 8) store8(w.q.data() + x, load8(q + x) * scale);
   }
   const int64_t b_end = (len + bs - 1) / bs;
   const int64_t tiles = (G + 1) / 2;

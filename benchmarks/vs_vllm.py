@@ -82,9 +82,9 @@ class Engine:
 
 def kv_cache_gib(dtype: str) -> float:
     """keel's K/V space for the long workload in `dtype` (see load_keel)."""
-    from keel import config
+    from keel import dtypes
 
-    bf16 = dtype in ("bfloat16", "gguf-bf16") or (dtype == "auto" and config.cpu_has_amx_bfloat16())
+    bf16 = dtype in ("bfloat16", "gguf-bf16") or (dtype == "auto" and dtypes.cpu_has_amx_bfloat16())
     return 1.5 if bf16 else 3.0
 
 

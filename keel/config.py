@@ -6,7 +6,6 @@ Every check here is about something a user typed (a flag, a model folder), so fa
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -16,15 +15,9 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from keel import dtypes
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -35,14 +28,6 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available here: use 'cpu' or 'auto'.")
     return torch.device(device)
-
-
-@functools.cache
-def cpu_has_amx_bfloat16() -> bool:
-    """Whether this CPU has AMX tiles and oneDNN computes bfloat16 GEMMs on them (asked once:
-    the attention backend asks on every pass with long prompt chunks)."""
-    return bool(torch.cpu._is_amx_tile_supported()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @dataclass
@@ -91,10 +76,12 @@ class ModelConfig:
         self.hf_config = load_hf_config(self.model_path)
         cls = resolve_architecture(self.hf_config)  # fail early on an unsupported one
         self._resolve_runner(cls)
-        self.torch_dtype = self._resolve_dtype()
+        self.torch_dtype = dtypes.checkpoint_dtype(self.dtype, self.hf_config, self.torch_device)
         self._resolve_quantization()
-        self._auto_bfloat16()
-        self.auto_kv_cache_dtype = self._auto_kv_cache_dtype()
+        # keel/dtypes.py: what dtype="auto" computes in on this CPU, and keeps the K/V in
+        where = (self.torch_device, self.runner_type, self.quantization_method)
+        self.torch_dtype = dtypes.auto_compute_dtype(self.dtype, self.torch_dtype, *where)
+        self.auto_kv_cache_dtype = dtypes.auto_kv_cache_dtype(self.dtype, self.torch_dtype, *where)
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         limit = min(limit, self._sentence_transformers_max_len() or limit)
         if self.max_logprobs < 0:
@@ -161,32 +148,6 @@ class ModelConfig:
             raise ValueError("Quantized weights compute in float32 or bfloat16: pick one.")
         self.quantization_method = method
 
-    def _auto_bfloat16(self) -> None:
-        """dtype="auto" on a CPU with AMX tiles computes a float32 checkpoint in bfloat16, as
-        vLLM's "auto" does for any float32 checkpoint: there oneDNN's bfloat16 GEMMs run 4-8x
-        faster than float32 (BENCHMARKS.md, seventeenth round). Elsewhere (AVX2, or AVX512-BF16
-        without AMX) bfloat16 GEMMs are no faster than float32 and float32 stays. Only for a
-        generating model whose weights are not kept quantized; dtype="float32" keeps float32."""
-        if (self.dtype == "auto" and self.torch_dtype == torch.float32
-                and self.torch_device.type == "cpu" and self.runner_type == "generate"
-                and self.quantization_method is None and cpu_has_amx_bfloat16()):
-            logger.info("dtype='auto': this float32 model computes in bfloat16 on this CPU "
-                        "(AMX tiles); pass dtype='float32' to keep float32.")
-            self.torch_dtype = torch.bfloat16
-
-    def _auto_kv_cache_dtype(self) -> torch.dtype:
-        """dtype="auto" on a CPU that computes a float32 model in float32 (no AMX tiles) keeps
-        its K/V in bfloat16, as llama.cpp keeps a float32 model's in float16: a long decode
-        step reads every request's K/V once per layer, and with half the bytes the CPU
-        attention ran ~1.9x faster and a long decode step 1.28-1.43x (BENCHMARKS.md,
-        twenty-sixth round); the arithmetic stays float32. Only for a generating model whose weights are not kept quantized (as
-        _auto_bfloat16 decides); an explicit dtype keeps the cache in that dtype."""
-        if (self.dtype == "auto" and self.torch_dtype == torch.float32
-                and self.torch_device.type == "cpu" and self.runner_type == "generate"
-                and self.quantization_method is None):
-            return torch.bfloat16
-        return self.torch_dtype
-
     def _sentence_transformers_max_len(self) -> int | None:
         """A sentence-transformers folder's `max_seq_length` (its encode() truncates there)."""
         path = self.model_path / "sentence_bert_config.json"
@@ -197,24 +158,6 @@ class ModelConfig:
         except (json.JSONDecodeError, AttributeError) as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
         return value if isinstance(value, int) and value > 0 else None
-
-    def _resolve_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            dt = getattr(self.hf_config, "dtype", None) or getattr(
-                self.hf_config, "torch_dtype", None
-            )
-            if isinstance(dt, str):
-                dt = _DTYPES.get(dt, torch.float32)
-            dt = dt or torch.float32
-            if dt == torch.float16 and self.torch_device.type == "cpu":
-                # float16 matmuls are slow and inaccurate on most CPUs; bfloat16 keeps the range.
-                dt = torch.bfloat16
-            return dt
-        if self.dtype not in _DTYPES:
-            raise ValueError(
-                f"Unknown dtype {self.dtype!r}: use one of auto, float32, bfloat16, float16."
-            )
-        return _DTYPES[self.dtype]
 
     @property
     def vocab_size(self) -> int:
@@ -271,24 +214,13 @@ class CacheConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
-        if self.cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"Unknown kv_cache_dtype {self.cache_dtype!r}: use auto, float32 "
-                             "or bfloat16.")
+        dtypes.check_kv_cache_dtype(self.cache_dtype)
 
     def resolve_kv_dtype(self, model_config: ModelConfig) -> torch.dtype:
         """The cache's torch dtype for this model (kept in kv_torch_dtype)."""
-        compute = model_config.torch_dtype
-        if self.cache_dtype == "auto":
-            dt = model_config.auto_kv_cache_dtype
-        else:
-            dt = _DTYPES[self.cache_dtype]
-            if dt != compute and not (compute == torch.float32 and dt == torch.bfloat16):
-                raise ValueError(
-                    f"kv_cache_dtype={self.cache_dtype!r} under dtype {str(compute)[6:]}: the "
-                    "cache may be the compute dtype, or bfloat16 under float32; pass "
-                    f"kv_cache_dtype='auto' or {str(compute)[6:]!r}.")
-        self.kv_torch_dtype = dt
-        return dt
+        self.kv_torch_dtype = dtypes.kv_cache_dtype(self.cache_dtype, model_config.torch_dtype,
+                                                    model_config.auto_kv_cache_dtype)
+        return self.kv_torch_dtype
 
 
 @dataclass

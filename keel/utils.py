@@ -153,7 +153,7 @@ def weights_on_huge_pages(before: dict[int, int]) -> int:
     weights made no difference, fifth round), `KEEL_HUGE_PAGES=1` / `0` turns it on / off
     elsewhere. The collapse costs ~0.9 s of start-up for the default model's 350 MiB in
     bfloat16; the worker calls this for dense (not quantized) weights only."""
-    from keel.config import cpu_has_amx_bfloat16
+    from keel.dtypes import cpu_has_amx_bfloat16
 
     mode = os.environ.get("KEEL_HUGE_PAGES", "auto")
     if mode == "0" or platform.system() != "Linux" or (mode != "1"

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from keel import config
+from keel import dtypes
 from keel.attention.backends import torch_paged
 from keel.attention.backends.torch_paged import build_attention_metadata, paged_attention
 from keel.cpu_ops import get_cpu_ops
@@ -173,9 +173,9 @@ def test_long_chunk_kernel_by_measuring(monkeypatch):
     monkeypatch.setattr(torch_paged, "_long_chunk_kernels", {})
     slow, fast = Kernel(0.05), Kernel(0.0)
     pick = torch_paged.long_chunk_kernel
-    monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: False)
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
     assert pick(slow, torch.bfloat16, 9, 3, 64) == "prefill_attention"
-    monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: True)
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: True)
     assert pick(slow, torch.float32, 9, 3, 64) == "prefill_attention"
     assert slow.calls == []
     assert pick(slow, torch.bfloat16, 9, 3, 64) is None  # SDPA

@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keel import config
+from keel import dtypes
 from keel.config import ModelConfig
 
 
 def test_float32_model_computes_in_bfloat16_only_where_the_cpu_has_amx(hf_model_dir,
                                                                       monkeypatch):
     folder = hf_model_dir("llama")  # saved in float32
-    monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: False)
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
     assert ModelConfig(folder, device="cpu").torch_dtype == torch.float32
 
-    monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: True)
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: True)
     assert ModelConfig(folder, device="cpu").torch_dtype == torch.bfloat16
     # What the user asked for stays, and so do weights kept quantized (their kernels compute
     # in float32).
@@ -26,14 +26,14 @@ def test_float32_model_computes_in_bfloat16_only_where_the_cpu_has_amx(hf_model_
 
 
 def test_amx_check_reads_this_cpu():
-    assert config.cpu_has_amx_bfloat16() == (
+    assert dtypes.cpu_has_amx_bfloat16() == (
         torch.cpu._is_amx_tile_supported() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _kv_dtype(folder, monkeypatch, amx: bool, **kw) -> torch.dtype:
     from keel.config import CacheConfig
 
-    monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: amx)
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: amx)
     cache_dtype = kw.pop("kv_cache_dtype", "auto")
     return CacheConfig(cache_dtype=cache_dtype).resolve_kv_dtype(
         ModelConfig(folder, device="cpu", **kw))
@@ -73,7 +73,7 @@ def test_engine_allocates_the_resolved_kv_cache_dtype(hf_model_dir, monkeypatch)
     (the rounding of K/V moves log-probabilities by little)."""
     from keel import LLM, SamplingParams
 
-    monkeypatch.setattr(config, "cpu_has_amx_bfloat16", lambda: False)
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
     folder = hf_model_dir("llama")
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     prompts = [{"prompt_token_ids": [5, 17, 33, 9, 41, 2, 77]}]
@@ -89,3 +89,20 @@ def test_engine_allocates_the_resolved_kv_cache_dtype(hf_model_dir, monkeypatch)
     assert runs["auto"][0] == torch.bfloat16 and runs["float32"][0] == torch.float32
     assert runs["auto"][1] in (2 * runs["float32"][1], 2 * runs["float32"][1] + 1)
     assert max(abs(a - b) for a, b in zip(runs["auto"][2], runs["float32"][2])) < 0.05
+
+
+def test_checkpoint_dtype_reads_the_config_and_keeps_float16_off_the_cpu():
+    """keel/dtypes.py alone: "auto" is config.json's dtype (`dtype` or the older
+    `torch_dtype`, float32 when absent), float16 computed in bfloat16 on a CPU; a name is
+    taken as given."""
+    from types import SimpleNamespace
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert dtypes.checkpoint_dtype("auto", SimpleNamespace(), cpu) == torch.float32
+    assert dtypes.checkpoint_dtype("auto", SimpleNamespace(torch_dtype="bfloat16"),
+                                   cpu) == torch.bfloat16
+    assert dtypes.checkpoint_dtype("auto", SimpleNamespace(dtype="float16"), cpu) == torch.bfloat16
+    assert dtypes.checkpoint_dtype("auto", SimpleNamespace(dtype="float16"), cuda) == torch.float16
+    assert dtypes.checkpoint_dtype("half", SimpleNamespace(dtype="float32"), cpu) == torch.float16
+    with pytest.raises(ValueError, match="Unknown dtype 'int8'"):
+        dtypes.checkpoint_dtype("int8", SimpleNamespace(), cpu)

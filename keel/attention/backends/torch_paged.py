@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from keel import config
+from keel import dtypes
 from keel.cpu_ops import get_cpu_ops
 
 # A long prompt chunk goes to keel's causal prefill kernel (keel/csrc/prefill_attention.cpp): a
@@ -250,7 +250,7 @@ def long_chunk_kernel(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int
     round), and so does keel's AMX kernel (bfloat16, head size a multiple of 32; ~2x SDPA,
     eighteenth round): keel's kernel for the shape and SDPA are timed once per shape on a
     512-token chunk, and the faster kept."""
-    if dtype == torch.float32 or not config.cpu_has_amx_bfloat16():
+    if dtype == torch.float32 or not dtypes.cpu_has_amx_bfloat16():
         return "prefill_attention"
     key = (dtype, num_heads, num_kv_heads, head_dim)
     if key in _long_chunk_kernels:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 from collections.abc import Callable
@@ -116,6 +117,17 @@ def keep_freed_memory() -> bool:
     else:
         return False
     return bool(mallopt(M_TRIM_THRESHOLD, _MALLOC_KEEP_BYTES))
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now into Python's permanent generation (`gc.freeze`), as vLLM's
+    engine core does once it has started: a full collection otherwise walks the ~180,000
+    objects that torch, the tokenizer and the model leave (105-110 ms on a 2-core EPYC, a
+    stall of whichever step it lands in); after the freeze it walks only what came later.
+    Called where the process belongs to one engine (the engine core's own process, the mp and
+    Ray workers): frozen objects in reference cycles are never collected, so an `LLM` made and
+    dropped in a user's process is not frozen."""
+    gc.freeze()
 
 
 # The weights on transparent huge pages. A decode step streams every packed weight from memory

@@ -17,6 +17,7 @@ from keel.outputs import EngineCoreOutputs, SchedulerStats
 from keel.request import Request, RequestStatus
 from keel.structured_output import StructuredOutputManager
 from keel.trace.recorder import TraceWriter, trace_meta
+from keel.utils import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class EngineCoreProc(EngineCore):
         self.output_socket = self.ctx.socket(zmq.PUSH)
         self.output_socket.connect(output_addr)
         self._stats_dirty = False  # an abort changed the state, and no step reported it yet
+        freeze_startup_heap()  # this process serves one engine until it exits
 
     @staticmethod
     def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,

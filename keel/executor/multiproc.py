@@ -272,6 +272,10 @@ class WorkerProc:
                     output = func(self.worker, *args, **kwargs)
                 else:
                     output = getattr(self.worker, method)(*args, **kwargs)
+                    if method == "initialize_kv_cache":  # the last step of start-up
+                        from keel.utils import freeze_startup_heap
+
+                        freeze_startup_heap()
                 reply = (ResponseStatus.SUCCESS, output)
             except Exception as e:  # noqa: BLE001 - reported to the caller, the loop goes on
                 traceback.print_exc()

@@ -90,6 +90,10 @@ class RayWorkerWrapper:
                 output = cloudpickle.loads(method)(self.worker, *args, **kwargs)
             else:
                 output = getattr(self.worker, method)(*args, **kwargs)
+                if method == "initialize_kv_cache":  # the last step of start-up
+                    from keel.utils import freeze_startup_heap
+
+                    freeze_startup_heap()
             status = ResponseStatus.SUCCESS
         except Exception as e:  # noqa: BLE001 - reported to the caller, the actor goes on
             import traceback

@@ -6,6 +6,7 @@ One engine core per module, with a deliberately small KV cache (10 blocks of 4 t
 
 from __future__ import annotations
 
+import gc
 import inspect
 from collections import Counter, defaultdict
 
@@ -13,7 +14,7 @@ import pytest
 
 import keel.engine.core
 from keel.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from keel.engine.core import EngineCore
+from keel.engine.core import EngineCore, EngineCoreProc
 from keel.outputs import EngineCoreOutputs
 from keel.request import Request
 from keel.sampling_params import SamplingParams
@@ -231,3 +232,26 @@ def test_engine_core_never_names_the_model_runner():
     source = inspect.getsource(keel.engine.core)
     assert "model_runner" not in source
     assert "ModelRunner" not in source
+
+
+def test_engine_core_process_freezes_its_start_up_heap(hf_model_dir):
+    """The engine core's own process (`keel serve`) moves its start-up heap into Python's
+    permanent generation, so that a full collection does not walk the model's objects; an
+    in-process EngineCore (an `LLM` a user may drop) does not."""
+    def config() -> EngineConfig:
+        return EngineConfig(
+            ModelConfig(hf_model_dir("llama"), dtype="float32", device="cpu", max_model_len=32),
+            CacheConfig(block_size=4, num_gpu_blocks_override=NUM_BLOCKS),
+            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+        )
+
+    gc.unfreeze()
+    try:
+        plain = EngineCore(config())
+        assert gc.get_freeze_count() == 0
+        plain.shutdown()
+        engine = EngineCoreProc(config(), "inproc://keel-test-in", "inproc://keel-test-out")
+        assert gc.get_freeze_count() > 10_000
+        engine.shutdown()
+    finally:
+        gc.unfreeze()

@@ -3,6 +3,7 @@ seed's collective_rpc contract, and no process left behind whatever happens."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -47,6 +48,9 @@ def test_tensor_parallel_outputs_equal_uni(hf_model_dir, arch):
     heads = executor.collective_rpc(
         lambda worker: worker.model_runner.model.model.layers[0].self_attn.num_heads)
     assert heads == [llm.config.model_config.hf_config.num_attention_heads // 2] * 2
+    # Each worker froze its start-up heap (gc.freeze) once its KV cache was made.
+    frozen = executor.collective_rpc(lambda worker: gc.get_freeze_count())
+    assert all(n > 10_000 for n in frozen), frozen
     pids = worker_pids(llm)
     llm.close()
     assert_gone(pids)

@@ -246,12 +246,14 @@ def test_engine_core_process_freezes_its_start_up_heap(hf_model_dir):
         )
 
     gc.unfreeze()
+    plain = EngineCore(config())
     try:
-        plain = EngineCore(config())
         assert gc.get_freeze_count() == 0
-        plain.shutdown()
-        engine = EngineCoreProc(config(), "inproc://keel-test-in", "inproc://keel-test-out")
-        assert gc.get_freeze_count() > 10_000
-        engine.shutdown()
     finally:
-        gc.unfreeze()
+        plain.shutdown()
+    engine = EngineCoreProc(config(), "inproc://keel-test-in", "inproc://keel-test-out")
+    try:
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        gc.unfreeze()  # the rest of the suite runs in this process
+        engine.shutdown()

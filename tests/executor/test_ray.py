@@ -3,6 +3,7 @@ collective_rpc contract as mp, the same tokens as uni, and nothing left running 
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -47,6 +48,9 @@ def test_ray_tensor_parallel_equals_uni_and_surfaces_worker_errors(hf_model_dir)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     pids = actor_pids(llm)
     assert len(set(pids)) == 2 and os.getpid() not in pids  # two actor processes
+    # Each actor froze its start-up heap (gc.freeze) once its KV cache was made.
+    frozen = executor.collective_rpc(lambda worker: gc.get_freeze_count())
+    assert all(n > 10_000 for n in frozen), frozen
 
     def boom(worker):
         raise ValueError(f"boom on rank {worker.rank}")

@@ -246,7 +246,7 @@ class WorkerProc:
 
         self.rank = rank
         self.worker = Worker(config, local_rank=rank, rank=rank, is_driver_worker=rank == 0,
-                             distributed_init_method=init_method)
+                             distributed_init_method=init_method, own_process=True)
         self.ctx = zmq.Context()
         self.requests = self.ctx.socket(zmq.PULL)
         self.requests.connect(req_addr)
@@ -272,10 +272,6 @@ class WorkerProc:
                     output = func(self.worker, *args, **kwargs)
                 else:
                     output = getattr(self.worker, method)(*args, **kwargs)
-                    if method == "initialize_kv_cache":  # the last step of start-up
-                        from keel.utils import freeze_startup_heap
-
-                        freeze_startup_heap()
                 reply = (ResponseStatus.SUCCESS, output)
             except Exception as e:  # noqa: BLE001 - reported to the caller, the loop goes on
                 traceback.print_exc()

@@ -81,7 +81,8 @@ class RayWorkerWrapper:
         # On CUDA Ray shows each actor only its own GPU, which is then device 0.
         device_index = 0 if ray.get_gpu_ids() else local_rank
         self.worker = Worker(config, local_rank=device_index, rank=rank,
-                             is_driver_worker=rank == 0, distributed_init_method=init_method)
+                             is_driver_worker=rank == 0, distributed_init_method=init_method,
+                             own_process=True)
 
     def execute_method(self, method: str | bytes, args: tuple, kwargs: dict,
                        output_rank: int | None) -> tuple[ResponseStatus, Any]:
@@ -90,10 +91,6 @@ class RayWorkerWrapper:
                 output = cloudpickle.loads(method)(self.worker, *args, **kwargs)
             else:
                 output = getattr(self.worker, method)(*args, **kwargs)
-                if method == "initialize_kv_cache":  # the last step of start-up
-                    from keel.utils import freeze_startup_heap
-
-                    freeze_startup_heap()
             status = ResponseStatus.SUCCESS
         except Exception as e:  # noqa: BLE001 - reported to the caller, the actor goes on
             import traceback

@@ -25,6 +25,7 @@ from keel.utils import (
     anonymous_regions,
     available_memory_bytes,
     configure_threads,
+    freeze_startup_heap,
     keep_freed_memory,
     weights_on_huge_pages,
 )
@@ -40,9 +41,11 @@ DEFAULT_CPU_KV_MAX_GIB = 4.0
 
 class Worker:
     def __init__(self, config: EngineConfig, local_rank: int = 0, rank: int = 0,
-                 is_driver_worker: bool = True, distributed_init_method: str | None = None
-                 ) -> None:
+                 is_driver_worker: bool = True, distributed_init_method: str | None = None,
+                 own_process: bool = False) -> None:
         self.config = config
+        # True in an mp or Ray worker process, which serves this worker alone until it exits.
+        self.own_process = own_process
         self.local_rank, self.rank = local_rank, rank
         self.distributed_init_method = distributed_init_method
         self.is_driver_worker = is_driver_worker
@@ -148,6 +151,8 @@ class Worker:
         if self.device.type == "cpu":
             # After the load (its frees go back to the kernel), before the first pass.
             keep_freed_memory()
+        if self.own_process:
+            freeze_startup_heap()  # start-up is over: the model and the KV cache are made
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         intermediate_tensors = None

@@ -99,7 +99,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
 
         attach_gguf_amx_sources(model, folder)  # a no-op unless keel converted the folder
     model = model.to(model_config.torch_device).eval()
-    for module in model.modules():  # e.g. pack weights for the CPU GEMM (layers/gemm_choice.py)
+    for module in model.modules():  # e.g. pack weights for the CPU GEMM (layers/packed_weights.py)
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:
             process()

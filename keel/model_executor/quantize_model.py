@@ -29,7 +29,8 @@ from torch import nn
 from keel.model_executor.gguf_loader import HEAD_INT8_FILE, INT4_FILE, TYPES_FILE
 from keel.model_executor.gguf_quant import INT4_TYPES, INT8_TYPES
 from keel.model_executor.layers.gemm_choice import amx_compressed_copy_chosen, amx_gemm_chosen
-from keel.model_executor.layers.linear import LinearBase, cpu_gemm
+from keel.model_executor.layers.linear import LinearBase
+from keel.model_executor.layers.packed_weights import cpu_gemm
 from keel.model_executor.layers.quantization import (
     ALL_ROWS,
     Int4Weight,
@@ -121,7 +122,7 @@ def attach_gguf_amx_sources(model: nn.Module, folder: Path) -> None:
     """A folder keel converted from a .gguf, loaded dense in bfloat16 with the AMX GEMM chosen:
     give each linear layer whose tensors were 4-bit the file's own groups (`amx_int4`), and a
     Q8_0 LM head its int8 blocks (`q8_blocks`). The AMX GEMM's copies are then made from them
-    where every value widens to exactly the dense bfloat16 weight (gemm_choice._amx_copy), so
+    where every value widens to exactly the dense bfloat16 weight (packed_weights._amx_copy), so
     each pass computes the same bits as the dense model while reading 0.75 (int4) or ~1.06
     (int8) bytes a weight instead of 2. Nothing else changes: no layer becomes quantized."""
     if not (folder / INT4_FILE).is_file() or not (folder / TYPES_FILE).is_file() \

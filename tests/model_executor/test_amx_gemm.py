@@ -12,6 +12,7 @@ import torch
 from keel.cpu_ops import get_cpu_ops
 from keel.model_executor.layers import gemm_choice as linear_mod
 from keel.model_executor.layers.linear import ColumnParallelLinear
+from keel.model_executor.layers.packed_weights import pack_for_cpu_gemm
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_layer_takes_it_for_short_passes_or_all(ops, monkeypatch, prompt):
         monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
         assert not linear_mod.amx_gemm_chosen()  # no tiles: never chosen
         return
-    linear_mod.pack_for_cpu_gemm(layer)
+    pack_for_cpu_gemm(layer)
     if layer.packed_by != "onednn":
         return  # a torch without oneDNN's bfloat16: the plain layer (test_linear.py)
     assert layer.amx_weight is not None

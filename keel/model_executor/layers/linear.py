@@ -5,7 +5,8 @@ HF tensor (or this rank's slice of it) into the right rows. Merged layers (`qkv_
 `gate_up_proj`) are loaded from the separate HF tensors through `shard_id`.
 
 On the CPU each weight is packed once for the GEMM that runs it; which GEMM, and the call,
-are in gemm_choice.py (`pack_for_cpu_gemm`, `cpu_gemm`).
+is chosen in gemm_choice.py; the packing and the call are in packed_weights.py
+(`pack_for_cpu_gemm`, `cpu_gemm`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,12 @@ from keel.model_executor.layers.gemm_choice import (  # noqa: F401 (re-exported)
     AMX_GEMM_MAX_ROWS,
     amx_gemm_chosen,
     bf16_gemm_in_float32,
-    cpu_gemm,
     keel_gemm_chosen,
     onednn_gemm_supported,
-    pack_for_cpu_gemm,
     pack_weight,
     packed_linear,
 )
+from keel.model_executor.layers.packed_weights import cpu_gemm, pack_for_cpu_gemm
 from keel.model_executor.layers.quantization import (
     QuantizedWeight,
     quantized_linear,

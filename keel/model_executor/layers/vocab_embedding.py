@@ -11,11 +11,8 @@ from keel.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from keel.model_executor.layers import gemm_choice
-from keel.model_executor.layers.linear import (
-    cpu_gemm,
-    default_weight_loader,
-    pack_for_cpu_gemm,
-)
+from keel.model_executor.layers.linear import default_weight_loader
+from keel.model_executor.layers.packed_weights import cpu_gemm, pack_for_cpu_gemm
 from keel.model_executor.layers.quantization import Int8Weight, quantized_linear, uses_kernel
 
 

@@ -106,7 +106,7 @@ class LlamaMLP(nn.Module):
         self.act = get_act_fn(config.hidden_act)
         self.is_silu = config.hidden_act == "silu"
         # Its output only ever goes through silu_and_mul: the AMX copy may interleave gate and
-        # up (gemm_choice.pack_for_cpu_gemm) and take silu in its epilogue.
+        # up (packed_weights.pack_for_cpu_gemm) and take silu in its epilogue.
         self.gate_up_proj.silu_pairs = self.is_silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

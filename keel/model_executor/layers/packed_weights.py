@@ -1,0 +1,89 @@
+"""A linear layer's weight packed for the CPU GEMM chosen for it (gemm_choice.py), and the
+GEMM over it: `pack_for_cpu_gemm` at load (`process_weights_after_loading`), `cpu_gemm` in each
+forward. Where the CPU has AMX tiles, a bfloat16 layer on oneDNN also gets the AMX GEMM's copy
+of its weight here, if that GEMM is chosen and the copies' memory budget allows.
+
+The choices are read through the `gemm_choice` module at call time (`choice.<name>`), as they are
+made there once per process (and replaced there by tests).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from keel.model_executor.layers import gemm_choice as choice
+
+
+def _amx_copy(module: nn.Module, w: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """The AMX GEMM's copy of the bfloat16 weight `w` (its rows in `order` if given): from the
+    layer's int4 groups where it keeps keel's int4 form (a GGUF file's Q4 tensors; for a dense
+    folder keel converted from one, `amx_int4`: quantize_model.attach_gguf_amx_sources) and they
+    widen to exactly `w` (0.75 bytes a weight read per pass instead of 2), else `w` in
+    bfloat16 tiles."""
+    int4 = getattr(getattr(module, "quant", None), "keel", None) or getattr(
+        module, "amx_int4", None)
+    if order is not None:
+        w = w[order]
+        int4 = None if int4 is None else tuple(t[order] for t in int4)
+    if int4 is not None and int4[0].shape[1] * 2 == w.shape[1] \
+            and choice.amx_compressed_copy_chosen("int4"):
+        copy = choice._keel_ops.amx_gemm_pack_int4(*(t.contiguous() for t in int4), w.contiguous())
+        if copy.numel():
+            return copy
+    return choice._keel_ops.amx_gemm_pack(w.contiguous())
+
+
+def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool = True) -> None:
+    """Pack `module.weight` into `module.packed_weight` for the GEMM chosen for it
+    (`module.packed_by`: "keel", "onednn", or "onednn-upcast" for a bfloat16 weight given to
+    oneDNN as its float32 upcast), and (unless told to keep it) release the dense copy, as
+    vLLM's CPU backend does. Nothing is packed where neither GEMM takes the weight."""
+    if module.packed_weight is not None:
+        return
+    w = module.weight
+    in_float32 = choice.bf16_gemm_in_float32(w)
+    if (w.dtype == torch.float32 or in_float32) and w.device.type == "cpu" \
+            and choice.keel_gemm_chosen():
+        module.packed_weight, module.packed_by = choice._keel_ops.gemm_pack(w.detach()), "keel"
+    elif in_float32 and choice._onednn_available():
+        module.packed_weight, module.packed_by = choice.pack_weight(w.float()), "onednn-upcast"
+    elif choice.onednn_gemm_supported(w):
+        module.packed_weight, module.packed_by = choice.pack_weight(w), "onednn"
+        n, k = w.shape
+        if amx and w.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 \
+                and choice.amx_gemm_chosen():
+            # A [gate; up] layer that only feeds silu_and_mul: rows interleaved by 16, so that
+            # each pair of tiles is 16 gate columns and their 16 up columns (the epilogue).
+            pairs = getattr(module, "silu_pairs", False) and n % 32 == 0
+            order = choice.silu_pair_order(n) if pairs else None
+            copy = _amx_copy(module, w.detach(), order)
+            if choice._amx_budget(copy.numel() * copy.element_size()):
+                module.amx_weight, module.amx_silu = copy, pairs
+                choice.amx_prompt_chosen()  # measured here, at load, not in the first prompt's step
+                if pairs and module.bias is not None:
+                    module.amx_bias = module.bias.detach()[order].contiguous()
+        module.amx_int4 = None  # a converted folder's int4 groups were only for the copy
+    else:
+        return
+    module.packed_rows = w.shape[0]
+    if release_dense:
+        module.weight = nn.Parameter(w.new_empty(0), False)
+
+
+def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ packed weight (+ bias); in float32 for a bfloat16 weight computed in float32,
+    rounded back."""
+    amx = getattr(module, "amx_weight", None)
+    if (amx is not None and not getattr(module, "amx_silu", False) and x.dim() == 2
+            and x.dtype == torch.bfloat16 and choice.amx_takes(amx, x.shape[0])):
+        return choice._keel_ops.amx_gemm(x, amx, module.packed_rows, bias)
+    if module.packed_by == "keel":
+        out = choice._keel_ops.gemm(x.float(), module.packed_weight, module.packed_rows,
+                             None if bias is None else bias.float())
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+    if module.packed_by == "onednn-upcast":
+        out = choice.packed_linear(x.float(), module.packed_weight,
+                            None if bias is None else bias.float())
+        return out.to(x.dtype)
+    return choice.packed_linear(x, module.packed_weight, bias)

@@ -3,8 +3,8 @@ GEMM over it: `pack_for_cpu_gemm` at load (`process_weights_after_loading`), `cp
 forward. Where the CPU has AMX tiles, a bfloat16 layer on oneDNN also gets the AMX GEMM's copy
 of its weight here, if that GEMM is chosen and the copies' memory budget allows.
 
-The choices are read through the `gemm_choice` module at call time (`choice.<name>`), as they are
-made there once per process (and replaced there by tests).
+The choices are read through the `gemm_choice` module at call time (`choice.<name>`): they
+are made there once per process, and tests replace them there.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def _amx_copy(module: nn.Module, w: torch.Tensor, order: torch.Tensor | None) ->
         int4 = None if int4 is None else tuple(t[order] for t in int4)
     if int4 is not None and int4[0].shape[1] * 2 == w.shape[1] \
             and choice.amx_compressed_copy_chosen("int4"):
-        copy = choice._keel_ops.amx_gemm_pack_int4(*(t.contiguous() for t in int4), w.contiguous())
+        copy = choice._keel_ops.amx_gemm_pack_int4(*(t.contiguous() for t in int4),
+                                                   w.contiguous())
         if copy.numel():
             return copy
     return choice._keel_ops.amx_gemm_pack(w.contiguous())
@@ -60,7 +61,7 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
             copy = _amx_copy(module, w.detach(), order)
             if choice._amx_budget(copy.numel() * copy.element_size()):
                 module.amx_weight, module.amx_silu = copy, pairs
-                choice.amx_prompt_chosen()  # measured here, at load, not in the first prompt's step
+                choice.amx_prompt_chosen()  # measured now, at load, not in the first prompt
                 if pairs and module.bias is not None:
                     module.amx_bias = module.bias.detach()[order].contiguous()
         module.amx_int4 = None  # a converted folder's int4 groups were only for the copy
@@ -80,10 +81,10 @@ def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
         return choice._keel_ops.amx_gemm(x, amx, module.packed_rows, bias)
     if module.packed_by == "keel":
         out = choice._keel_ops.gemm(x.float(), module.packed_weight, module.packed_rows,
-                             None if bias is None else bias.float())
+                                    None if bias is None else bias.float())
         return out if x.dtype == torch.float32 else out.to(x.dtype)
     if module.packed_by == "onednn-upcast":
         out = choice.packed_linear(x.float(), module.packed_weight,
-                            None if bias is None else bias.float())
+                                   None if bias is None else bias.float())
         return out.to(x.dtype)
     return choice.packed_linear(x, module.packed_weight, bias)

@@ -11,8 +11,8 @@ process (one engine per process), alternating, best of --rounds.
 
     .venv/bin/python benchmarks/quantized.py --llama-cpp-python /tmp/llamacpp-venv/bin/python
 
-llama.cpp: `python3 -m venv /tmp/llamacpp-venv && CMAKE_ARGS="-DGGML_NATIVE=ON"
-/tmp/llamacpp-venv/bin/pip install llama-cpp-python==0.3.36` (~10 min on 2 cores).
+llama.cpp: `benchmarks/setup_peers.sh llamacpp` (llama-cpp-python 0.3.36 compiled for this CPU
+in /tmp/llamacpp-venv, ~10 min on 2 cores).
 """
 
 from __future__ import annotations
@@ -112,6 +112,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = p.parse_args()
+    if args.llama_cpp_python and not Path(args.llama_cpp_python).is_file():
+        p.error(f"{args.llama_cpp_python} not found: run benchmarks/setup_peers.sh llamacpp, "
+                "pass --llama-cpp-python, or pass --llama-cpp-python '' to leave llama.cpp out")
     sys.path.insert(0, str(HERE))
     from transformers import AutoTokenizer
 

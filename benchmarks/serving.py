@@ -240,8 +240,7 @@ def vllm_server(folder: Path, args, served_name: str, port: int, log: Path) -> S
            "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
            "--served-model-name", served_name, "--uvicorn-log-level", "warning"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    # On 2 cores binding every core beats vLLM's "auto" (which keeps one back); see
-    # ../shared/peers/setup_vllm_cpu.sh.
+    # On 2 cores binding every core beats vLLM's "auto" (which keeps one back).
     env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(sorted(os.sched_getaffinity(0)))
     env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)
     # cwd: not the checkout, so `-m` cannot pick up anything of ours.
@@ -313,7 +312,7 @@ def main() -> None:
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
         ap.error("pass 1 <= --min-prompt-len <= --max-prompt-len")
     if not args.skip_vllm and not Path(args.vllm_python).is_file():
-        ap.error(f"{args.vllm_python} not found: run ../shared/peers/setup_vllm_cpu.sh, "
+        ap.error(f"{args.vllm_python} not found: run benchmarks/setup_peers.sh vllm, "
                  "pass --vllm-python, or pass --skip-vllm")
     logging.disable(logging.WARNING)
 

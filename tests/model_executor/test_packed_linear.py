@@ -1,6 +1,6 @@
-"""Packed weights on the CPU (layers/linear.py): which GEMM packs them (keel's or oneDNN's),
-what packing keeps and releases, that packed layers compute what F.linear computes, and the
-switch that turns it off."""
+"""Packed weights on the CPU (layers/gemm_choice.py chooses, layers/packed_weights.py packs):
+which GEMM packs them (keel's or oneDNN's), what packing keeps and releases, that packed
+layers compute what F.linear computes, and the switch that turns it off."""
 
 from __future__ import annotations
 

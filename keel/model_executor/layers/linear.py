@@ -4,9 +4,9 @@ Each parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` th
 HF tensor (or this rank's slice of it) into the right rows. Merged layers (`qkv_proj`,
 `gate_up_proj`) are loaded from the separate HF tensors through `shard_id`.
 
-On the CPU each weight is packed once for the GEMM that runs it; which GEMM, and the call,
-is chosen in gemm_choice.py; the packing and the call are in packed_weights.py
-(`pack_for_cpu_gemm`, `cpu_gemm`).
+On the CPU each weight is packed once for the GEMM that runs it: which GEMM is chosen in
+gemm_choice.py; the packing and the call are in packed_weights.py (`pack_for_cpu_gemm`,
+`cpu_gemm`).
 """
 
 from __future__ import annotations

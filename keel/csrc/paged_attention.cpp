@@ -48,6 +48,16 @@ constexpr int64_t kChunkKeys = 32;  // keys per online-softmax step of decode_ro
 constexpr int64_t kChunkBlocks = 4;  // blocks of a chunk at most (block_size >= 8)
 static_assert(kChunkKeys / 8 <= kChunkBlocks, "a chunk of 8-key blocks must fit kChunkBlocks");
 
+// decode_row's keys per chunk, by the cache's dtype. A float32 cache goes 16 keys (one block of
+// the default size) at a time, with the next 16 keys' K and V prefetched: over 64 rows and 30
+// layers' caches from memory, 0.90-0.91x the time of 32-key chunks at 364-864 keys and 0.93x
+// at 50-90 (64-key chunks: 1.11-1.17x). A bfloat16 cache keeps 32: 16 read 0.93x at 50-90 keys
+// but 1.085x at 364-864 (BENCHMARKS.md, thirty-first round).
+template <typename T>
+constexpr int64_t chunk_keys() {
+  return std::is_same_v<T, float> ? 16 : kChunkKeys;
+}
+
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   v16 acc = {0};
@@ -481,7 +491,7 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
 #endif
 
 // One query row against its request's KV heads [h0, h1) (the G query heads of each), in one
-// pass over its keys: chunks of kChunkKeys keys (whole blocks), each chunk's keys and values
+// pass over its keys: chunks of chunk_keys<T>() keys (whole blocks), each chunk's keys and values
 // of every head read together with an online softmax, so K and V stream from memory once
 // and side by side. Needs D % 32 == 0 and block_size % 8 == 0.
 template <typename TQ, typename T>
@@ -489,7 +499,7 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
                 int64_t block_elems, int64_t start, int64_t len, int64_t h0, int64_t h1,
                 int64_t G, int64_t D, float scale, TQ* out, Scratch& w) {
   const int64_t nh = h1 - h0, nq = nh * G, run = bs * D;  // run: one head's keys of a block
-  const int64_t cb = std::max<int64_t>(1, kChunkKeys / bs), span = cb * bs;
+  const int64_t cb = std::max<int64_t>(1, chunk_keys<T>() / bs), span = cb * bs;
   const float ninf = -std::numeric_limits<float>::infinity();
   constexpr bool split = KEEL_SPLIT_BF16 && std::is_same_v<T, c10::BFloat16>;
   w.q.resize(nq * D);

@@ -44,7 +44,7 @@ using keel::load8;
 using keel::store8;
 using keel::v16;
 using keel::v8;
-constexpr int64_t kChunkKeys = 32;  // keys per online-softmax step of decode_row
+constexpr int64_t kChunkKeys = 32;  // keys per online-softmax step (a float32 cache: chunk_keys)
 constexpr int64_t kChunkBlocks = 4;  // blocks of a chunk at most (block_size >= 8)
 static_assert(kChunkKeys / 8 <= kChunkBlocks, "a chunk of 8-key blocks must fit kChunkBlocks");
 
@@ -111,8 +111,8 @@ inline v8 scores8(const float* q, const T* k, int64_t D) {
 // The next chunk's K and V runs, a few lines at a time, spread over this chunk's work: the
 // hardware prefetchers stop at 4 KiB pages and a burst of a whole chunk's prefetches stalled
 // the core (measured: 1.1-1.2x on a 64-request decode over 300-930 keys). Locality 2 fetches
-// into L2 (float32: a chunk's 48 KB would crowd L1), 3 into L1 (bfloat16's 24 KB: 3-10%
-// faster from memory than into L2, twenty-first round).
+// into L2 (decode_row: a float32 chunk's 24 KB into L1 read level, thirty-first round), 3 into
+// L1 (decode_row_bf16's 24 KB: 3-10% faster from memory than into L2, twenty-first round).
 template <int Locality>
 struct Prefetcher {
   const char* run[2 * kChunkBlocks];

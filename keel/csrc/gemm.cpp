@@ -19,8 +19,10 @@
 // is float32 throughout (as oneDNN's GEMM over the weight's float32 upcast), accumulated over
 // k in order for every output.
 //
-// AVX2 + FMA intrinsics (8 lanes); `gemm_available()` is false on other CPUs, where keel keeps
-// oneDNN. Where AVX-512 is present, keel/model_executor/layers/gemm_choice.py times both at load.
+// AVX2 + FMA intrinsics (8 lanes), or AVX-512 (16 lanes) where the CPU has it: the same panels
+// and the same bits (`run_gemm512`); `gemm_available()` is false on other CPUs, where keel keeps
+// oneDNN. Where AVX-512 is present, keel/model_executor/layers/gemm_choice.py times keel's and
+// oneDNN's at load and keeps the faster.
 #include "ops.h"
 #include "claims.h"
 #include "vec.h"
@@ -210,6 +212,190 @@ void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
   });
 }
 
+#if defined(__AVX512F__)
+// -- The AVX-512 kernel (16 lanes), taken where the CPU has it --------------------------------
+// The same panels and the same sums (each output accumulated over k in order, one FMA per
+// step: the bits of the AVX2 kernel), but a panel row is one 16-lane register, and a register
+// tile is up to 12 rows against two panels side by side (24 accumulators of the 32 registers):
+// per step of k two weight loads and 12 broadcasts feed 24 FMAs, where the AVX2 tile's 6 rows
+// against one panel gave 12. An item is a block of rows against such a pair of panels.
+constexpr int kRows512 = 12;
+
+inline __m512 load_panel_row(const float* w) { return _mm512_loadu_ps(w); }
+
+inline __m512 load_panel_row(const uint16_t* w) {
+  // Word j of the row holds column j (low half) and column j + 8 (high half).
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+  const __m256 hi =
+      _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(int(0xFFFF0000u))));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                                             _mm256_castps_pd(hi), 1));
+}
+
+// Step k of a tile: row k of each of the P panels times each of the R rows' x[k].
+template <int R, int P, typename W>
+__attribute__((always_inline)) inline void fma_step512(const float* x, int64_t ldx,
+                                                       const W* w0, const W* w1, int64_t k,
+                                                       __m512* c0, __m512* c1) {
+  __m512 b0 = load_panel_row(w0 + k * kCols);
+  __m512 b1 = P > 1 ? load_panel_row(w1 + k * kCols) : b0;
+  keel::pin(b0, b1);  // in registers, not folded into each FMA (see fma_step)
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+    c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
+    if constexpr (P > 1) c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+  }
+}
+
+// One register tile: R rows of x against panels w0 (and w1 when P == 2), over all of K, stored
+// to out (row stride ldo; columns 0-15 from w0, 16-31 from w1). `pf` .. `pf_end` are lines of
+// the next item's panels to prefetch, up to two every 4 steps of k. As in `tile`: nothing but
+// the loop in here, so that the accumulators live in registers only.
+template <int R, int P, typename W>
+__attribute__((always_inline)) inline void tile512(const float* x, int64_t ldx, const W* w0,
+                                                   const W* w1, int64_t k_len, float* out,
+                                                   int64_t ldo, const char* pf,
+                                                   const char* pf_end) {
+  __m512 c0[R], c1[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 <= k_len; k += 4) {
+    if (pf < pf_end) {
+      _mm_prefetch(pf, _MM_HINT_T1);
+      _mm_prefetch(pf + 64, _MM_HINT_T1);
+      pf += 128;
+    }
+#pragma GCC unroll 4
+    for (int64_t kk = k; kk < k + 4; ++kk) fma_step512<R, P>(x, ldx, w0, w1, kk, c0, c1);
+  }
+  for (; k < k_len; ++k) fma_step512<R, P>(x, ldx, w0, w1, k, c0, c1);
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * ldo, c0[r]);
+    if constexpr (P > 1) _mm512_storeu_ps(out + r * ldo + kCols, c1[r]);
+  }
+}
+
+template <int P, typename W>
+__attribute__((always_inline)) inline void tile512_rows(int rows, const float* x, int64_t ldx,
+                                                        const W* w0, const W* w1,
+                                                        int64_t k_len, float* out, int64_t ldo,
+                                                        const char* pf, const char* pf_end) {
+  switch (rows) {
+    case 12: tile512<12, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 11: tile512<11, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 10: tile512<10, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 9: tile512<9, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 8: tile512<8, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 7: tile512<7, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 6: tile512<6, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 5: tile512<5, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 4: tile512<4, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 3: tile512<3, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 2: tile512<2, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    default: tile512<1, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+  }
+}
+
+// A tile against one panel (the last of an odd count) or two.
+template <typename W>
+__attribute__((always_inline)) inline void tile512_any(int panels, int rows, const float* x,
+                                                       int64_t ldx, const W* w, int64_t k_len,
+                                                       float* out, int64_t ldo, const char* pf,
+                                                       const char* pf_end) {
+  if (panels == 2)
+    tile512_rows<2, W>(rows, x, ldx, w, w + k_len * kCols, k_len, out, ldo, pf, pf_end);
+  else
+    tile512_rows<1, W>(rows, x, ldx, w, w, k_len, out, ldo, pf, pf_end);
+}
+
+// run_gemm's work split (blocks of rows in L2, runs of items claimed), over items of a block
+// against a pair of panels; the pair's two panels are adjacent in memory, so the next item's
+// are one range to prefetch.
+template <typename W, bool Silu = false>
+void run_gemm512(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
+                 const float* bias, float* out) {
+  constexpr int64_t kPair = 2 * kCols;
+  const int64_t half = Silu ? n / 2 / kCols : 0;  // up panel of gate panel p: p + half
+  const int64_t ldo = Silu ? n / 2 : n;
+  const int64_t panels = Silu ? half : (n + kCols - 1) / kCols;
+  const int64_t pairs = (panels + 1) / 2;
+  const int64_t panel_elems = k * kCols;
+  const int64_t panel_bytes = panel_elems * static_cast<int64_t>(sizeof(W));
+  const int64_t block =
+      std::max<int64_t>(kRows512, kBlockBytes / (k * 4) / kRows512 * kRows512);
+  const int64_t items = (m + block - 1) / block * pairs;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
+  keel::Claims claims(items, threads, pairs);
+  keel::on_threads(threads, [&] {
+    int64_t end = 0, i = claims.claim(end);
+    while (i < items) {
+      const int64_t m0 = i / pairs * block, q = i % pairs, p = 2 * q;
+      const int np = static_cast<int>(std::min<int64_t>(2, panels - p));
+      const int64_t mb = std::min(block, m - m0);
+      const int64_t tiles = (mb + kRows512 - 1) / kRows512;
+      const int64_t base = mb / tiles, extra = mb % tiles;  // the first `extra` get one more
+      int64_t next = i + 1, next_end = end;
+      if (next == end) next = claims.claim(next_end);
+      const char* pf = nullptr;
+      int64_t pf_bytes = 0;
+      if (next < items) {
+        const int64_t nq = next % pairs;
+        pf = reinterpret_cast<const char*>(packed + 2 * nq * panel_elems);
+        pf_bytes = std::min<int64_t>(2, panels - 2 * nq) * panel_bytes;
+      }
+      const int64_t share = (pf_bytes + tiles - 1) / tiles;  // bytes prefetched per tile
+      const W* w = packed + p * panel_elems;
+      const int64_t cols = std::min(np * kCols, n - p * kCols);  // (not Silu)
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r0 = m0 + t * base + std::min(t, extra);
+        const int rows = static_cast<int>(base + (t < extra));
+        const int64_t pf0 = std::min(pf_bytes, t * share);
+        const int64_t pf1 = std::min(pf_bytes, (t + 1) * share);
+        if constexpr (Silu) {  // gate then up, each prefetching its next pair's share
+          float gate[kRows512 * kPair], up[kRows512 * kPair];
+          const char* pf_up = pf != nullptr ? pf + half * panel_bytes : nullptr;
+          tile512_any<W>(np, rows, x + r0 * k, k, w, k, gate, kPair, pf + pf0, pf + pf1);
+          tile512_any<W>(np, rows, x + r0 * k, k, w + half * panel_elems, k, up, kPair,
+                         pf_up + pf0, pf_up + pf1);
+          const int64_t c = np * kCols;
+          for (int r = 0; r < rows; ++r) {
+            float* g = gate + r * kPair;
+            float* u = up + r * kPair;
+            if (bias != nullptr) {  // the sums, then + bias, as gemm adds it
+              for (int64_t j = 0; j < c; ++j) {
+                g[j] += bias[p * kCols + j];
+                u[j] += bias[(p + half) * kCols + j];
+              }
+            }
+            silu_mul_f32(g, u, out + (r0 + r) * ldo + p * kCols, c);
+          }
+        } else if (cols == np * kCols) {
+          tile512_any<W>(np, rows, x + r0 * k, k, w, k, out + r0 * n + p * kCols, n, pf + pf0,
+                         pf + pf1);
+        } else {  // the last panel of an N that is not a multiple of 16
+          float tmp[kRows512 * kPair];
+          tile512_any<W>(np, rows, x + r0 * k, k, w, k, tmp, kPair, pf + pf0, pf + pf1);
+          for (int r = 0; r < rows; ++r)
+            std::memcpy(out + (r0 + r) * n + p * kCols, tmp + r * kPair, cols * sizeof(float));
+        }
+      }
+      if (!Silu && bias != nullptr) {  // the sums, then + bias, as in registers
+        const float* b = bias + p * kCols;
+        for (int64_t r = m0; r < m0 + mb; ++r) {
+          float* o = out + r * n + p * kCols;
+          for (int64_t j = 0; j < cols; ++j) o[j] += b[j];
+        }
+      }
+      i = next, end = next_end;
+    }
+  });
+}
+#endif  // __AVX512F__
+
 }  // namespace
 
 at::Tensor gemm_pack(at::Tensor weight) {
@@ -266,6 +452,16 @@ at::Tensor gemm_entry(const char* what, const at::Tensor& x, const at::Tensor& p
   const int64_t m = xc.size(0), k = xc.size(1);
   at::Tensor out = at::empty({m, Silu ? n / 2 : n}, xc.options());
   if (m == 0) return out;
+#if defined(__AVX512F__)
+  if (packed.scalar_type() == at::kFloat)
+    run_gemm512<float, Silu>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b,
+                             out.data_ptr<float>());
+  else if (packed.scalar_type() == at::kBFloat16)
+    run_gemm512<uint16_t, Silu>(
+        xc.data_ptr<float>(), m, k,
+        reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), n, b,
+        out.data_ptr<float>());
+#else
   if (packed.scalar_type() == at::kFloat)
     run_gemm<float, Silu>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b,
                           out.data_ptr<float>());
@@ -273,6 +469,7 @@ at::Tensor gemm_entry(const char* what, const at::Tensor& x, const at::Tensor& p
     run_gemm<uint16_t, Silu>(xc.data_ptr<float>(), m, k,
                              reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
                              n, b, out.data_ptr<float>());
+#endif
   else
     TORCH_CHECK(false, what, ": packed weights are float32 or bfloat16");
   return out;

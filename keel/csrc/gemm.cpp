@@ -216,10 +216,13 @@ void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
 // -- The AVX-512 kernel (16 lanes), taken where the CPU has it --------------------------------
 // The same panels and the same sums (each output accumulated over k in order, one FMA per
 // step: the bits of the AVX2 kernel), but a panel row is one 16-lane register, and a register
-// tile is up to 12 rows against two panels side by side (24 accumulators of the 32 registers):
-// per step of k two weight loads and 12 broadcasts feed 24 FMAs, where the AVX2 tile's 6 rows
-// against one panel gave 12. An item is a block of rows against such a pair of panels.
-constexpr int kRows512 = 12;
+// tile is up to 10 rows against two panels side by side (20 accumulators of the 32 registers):
+// per step of k two weight loads and 10 broadcasts feed 20 FMAs, where the AVX2 tile's 6 rows
+// against one panel gave 12. An item is a block of rows against such a pair of panels. On an
+// Intel Xeon (AMX host; BENCHMARKS.md, thirty-second round) tiles of up to 8 rows ran as fast,
+// up to 12 rows 1.07-1.10x slower at 2,052 rows, and 14 rows (28 accumulators) spilled them to
+// the stack, ~3x slower.
+constexpr int kRows512 = 10;
 
 inline __m512 load_panel_row(const float* w) { return _mm512_loadu_ps(w); }
 
@@ -284,7 +287,11 @@ __attribute__((always_inline)) inline void tile512_rows(int rows, const float* x
                                                         const W* w0, const W* w1,
                                                         int64_t k_len, float* out, int64_t ldo,
                                                         const char* pf, const char* pf_end) {
+  // Rows past kRows512 never come; without their cases the tiles measured 2-4% slower at
+  // 2,052 rows (the same bits: GCC placed or inlined the code differently), so they stay.
   switch (rows) {
+    case 14: tile512<14, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 13: tile512<13, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
     case 12: tile512<12, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
     case 11: tile512<11, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
     case 10: tile512<10, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;

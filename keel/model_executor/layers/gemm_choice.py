@@ -8,10 +8,10 @@ the call are in packed_weights.py, the choices here. Two packed GEMMs, chosen on
   block of rows while the next is prefetched). On an AVX2 CPU it is taken without measuring:
   there it ran as fast as oneDNN with the weights hot in cache and 1.13-1.15x faster with them
   cold, as in a real step that reads every layer's weights from memory (BENCHMARKS.md, sixth
-  round). On a CPU with AVX-512 keel's runs 16-lane tiles of 12 rows against 32 columns (the
-  same bits); there the two are timed once at a decode shape and the faster kept (keel's ran
-  1.4x oneDNN's at 64 rows from memory, 0.93x at 2,048 rows, on an Intel Xeon with AMX;
-  BENCHMARKS.md, thirty-second round).
+  round). On a CPU with AVX-512 keel's runs 16-lane tiles of up to 10 rows against 32 columns
+  (the same bits); there the two are timed once at a decode shape and the faster kept (keel's
+  ran 1.36-1.46x oneDNN's at 64 rows with the weights from memory, 0.99-1.01x at 2,048 rows, on
+  an Intel Xeon with AMX; BENCHMARKS.md, thirty-second round).
 - oneDNN's, through torch (`torch.ops.mkldnn`), in the blocked layout it reads fastest: 1.5x
   faster than `F.linear`'s MKL path in float32 here, 1.2x in bfloat16.
 `KEEL_CPU_GEMM=keel|onednn` forces one; `KEEL_CPU_GEMM=torch` packs nothing (plain `F.linear`).

@@ -9,6 +9,7 @@ a few percent; separate processes do not.
     .venv/bin/python benchmarks/gemm_ab.py                      # base HEAD~1, 2,052 rows
     .venv/bin/python benchmarks/gemm_ab.py --base ef8e245 --rows 64 --repeats 61
     .venv/bin/python benchmarks/gemm_ab.py --weights bfloat16
+    .venv/bin/python benchmarks/gemm_ab.py --rows 64 --layers 30   # weights from memory
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2052)
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--weights", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--layers", type=int, default=1,
+                   help="distinct weights per shape, each call running all of them in turn "
+                        "(30: a decode step's, streamed from memory; 1: one weight, hot)")
     args = p.parse_args()
     os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,15 +86,17 @@ def main() -> None:
     dtype = getattr(torch, args.weights)
     m = args.rows
     print(f"keel gemm: {args.base} vs the working tree; {m} rows, {args.weights} weights, "
-          f"{torch.get_num_threads()} threads, {args.repeats} pairs")
+          f"{args.layers} weight(s) per shape, {torch.get_num_threads()} threads, "
+          f"{args.repeats} pairs")
     for name, n, k in SHAPES:
-        w = (torch.randn(n, k) * 0.02).to(dtype)
+        ws = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(args.layers)]
         x = torch.randn(m, k)
         fns = []
         for mod in (base, work):
-            packed = mod.gemm_pack(w)
+            packed = [mod.gemm_pack(w) for w in ws]
             op = mod.gemm_silu if name.endswith("silu") else mod.gemm
-            fns.append(lambda op=op, packed=packed, x=x, n=n: op(x, packed, n, None))
+            fns.append(lambda op=op, packed=packed, x=x, n=n: [op(x, p, n, None)
+                                                                for p in packed][-1])
         if not torch.equal(fns[0](), fns[1]()):
             raise SystemExit(f"{name}: the two revisions give different bits")
         times: list[list[float]] = [[], []]
@@ -99,7 +105,7 @@ def main() -> None:
                 t = time.perf_counter()
                 fn()
                 times[i].append(time.perf_counter() - t)
-        flops = 2 * m * n * k
+        flops = 2 * m * n * k * args.layers
         ratio = statistics.median(a / b for a, b in zip(times[0], times[1]))
         print(f"{name:13s} base {flops / statistics.median(times[0]) / 1e9:6.1f}  "
               f"work {flops / statistics.median(times[1]) / 1e9:6.1f} GFLOP/s (medians)  "

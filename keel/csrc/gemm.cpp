@@ -332,8 +332,9 @@ void run_gemm512(const float* x, int64_t m, int64_t k, const W* packed, int64_t 
   const int64_t pairs = (panels + 1) / 2;
   const int64_t panel_elems = k * kCols;
   const int64_t panel_bytes = panel_elems * static_cast<int64_t>(sizeof(W));
-  const int64_t block =
-      std::max<int64_t>(kRows512, kBlockBytes / (k * 4) / kRows512 * kRows512);
+  // Not rounded down to whole tiles (a block's tiles are as even as can be): at K = 1,536 that
+  // made 64 rows a block of 60 and one of 4, which streamed down_proj's weights twice.
+  const int64_t block = std::max<int64_t>(kRows512, kBlockBytes / (k * 4));
   const int64_t items = (m + block - 1) / block * pairs;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
   keel::Claims claims(items, threads, pairs);

@@ -11,9 +11,10 @@
 //
 // Work items are (KV head, block of kRows query rows): the G = H / Hkv query heads of a group
 // share every key and value the item reads, so an item computes G * kRows query vectors at
-// once with register-tiled loops (4 query vectors x 16 keys for the scores, 4 x 16 dims for the
-// weighted values), one pass over its keys in blocks of kKeys with an online softmax. Keys are
-// transposed once per call ([Hkv, D, S]) so the score loop reads 16 keys per load. Items are
+// once with register-tiled loops (6 query vectors x 16 keys for the scores, 6 x 16 dims for the
+// weighted values; 32 keys and 32 dims with AVX-512), one pass over its keys in blocks of kKeys
+// with an online softmax. Keys are transposed once per call ([Hkv, D, S]) so the score loop
+// reads 8 or 16 keys per load. Items are
 // handed out longest first from an atomic counter: causal items differ in length by up to L.
 #include "vec.h"
 
@@ -36,8 +37,8 @@ constexpr int64_t kRows = 16;  // query rows per work item
 constexpr int64_t kKeys = 64;  // keys per block of the online softmax
 constexpr int64_t kMaxGroup = 16;
 
-// Register tiles: kTile query vectors x 16 keys (scores) or x 16 dims (values), 12
-// accumulators; the two 8-lane loads each step are pinned in registers (`keel::pin`) so that
+// Register tiles: kTile query vectors x kSpan keys (scores) or x kSpan dims (values), 12
+// accumulators; the two loads each step are pinned in registers (`keel::pin`) so that
 // GCC does not fold them into every FMA, which made the loops wait on loads instead of FMAs.
 constexpr int kTile = 6;
 
@@ -47,53 +48,71 @@ inline auto visible(int64_t j, int64_t lo, int64_t hi) {
   return (lane >= static_cast<float>(lo)) & (lane < static_cast<float>(hi));
 }
 
-// s[x][j] = sum_d q[x][d] * kt[d][j] for kTile query vectors and 16 keys.
+// The tiles' vectors: 16 lanes where the CPU has AVX-512 (a tile then covers 32 keys or 32
+// dims: two registers a query vector, twice the AVX2 tile's work per instruction), else 8.
+// Each output is the same chain of FMAs in the same order either way, so the bits agree.
+#ifdef __AVX512F__
+using Vec = keel::v16;
+inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#else
+using Vec = v8;
+inline Vec splat(float x) { return splat8(x); }
+#endif
+constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
+constexpr int64_t kSpan = 2 * kLanes;  // keys of a score tile, dims of a value tile
+
+// s[x][j] = sum_d q[x][d] * kt[d][j] for kTile query vectors and kSpan keys.
 inline void scores_tile(const float* q, int64_t D, const float* kt, int64_t kt_stride, float* s,
                         int64_t s_stride) {
-  v8 a[kTile][2] = {};
+  Vec a[kTile][2] = {};
   for (int64_t d = 0; d < D; ++d) {
-    v8 k0 = load8(kt + d * kt_stride), k1 = load8(kt + d * kt_stride + 8);
+    Vec k0 = keel::loadv<Vec>(kt + d * kt_stride);
+    Vec k1 = keel::loadv<Vec>(kt + d * kt_stride + kLanes);
     pin(k0);
     pin(k1);
 #pragma GCC unroll 6
     for (int x = 0; x < kTile; ++x) {
-      const v8 qx = splat8(q[x * D + d]);
+      const Vec qx = splat(q[x * D + d]);
       a[x][0] += qx * k0;
       a[x][1] += qx * k1;
     }
   }
 #pragma GCC unroll 6
   for (int x = 0; x < kTile; ++x) {
-    store8(s + x * s_stride, a[x][0]);
-    store8(s + x * s_stride + 8, a[x][1]);
+    keel::storev(s + x * s_stride, a[x][0]);
+    keel::storev(s + x * s_stride + kLanes, a[x][1]);
   }
 }
 
-// acc[x][0:16] += sum_j p[x][j] * val[j][0:16] for kTile query vectors, j < n.
-template <typename T>
+// acc[x][0:span] += sum_j p[x][j] * val[j][0:span] for kTile query vectors, j < n, where span
+// is 2 * lanes of V (16 or 32 dims).
+template <typename V, typename T>
 inline void values_tile(const float* p, int64_t p_stride, const T* val, int64_t val_stride,
                         int64_t n, float* acc, int64_t acc_stride) {
-  v8 a[kTile][2];
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
+  V a[kTile][2];
 #pragma GCC unroll 6
   for (int x = 0; x < kTile; ++x) {
-    a[x][0] = load8(acc + x * acc_stride);
-    a[x][1] = load8(acc + x * acc_stride + 8);
+    a[x][0] = keel::loadv<V>(acc + x * acc_stride);
+    a[x][1] = keel::loadv<V>(acc + x * acc_stride + lanes);
   }
   for (int64_t j = 0; j < n; ++j) {
-    v8 v0 = load8(val + j * val_stride), v1 = load8(val + j * val_stride + 8);
+    V v0 = keel::loadv<V>(val + j * val_stride), v1 = keel::loadv<V>(val + j * val_stride + lanes);
     pin(v0);
     pin(v1);
 #pragma GCC unroll 6
     for (int x = 0; x < kTile; ++x) {
-      const v8 px = splat8(p[x * p_stride + j]);
+      const float pj = p[x * p_stride + j];
+      V px;
+      if constexpr (lanes == 16) px = splat(pj); else px = splat8(pj);
       a[x][0] += px * v0;
       a[x][1] += px * v1;
     }
   }
 #pragma GCC unroll 6
   for (int x = 0; x < kTile; ++x) {
-    store8(acc + x * acc_stride, a[x][0]);
-    store8(acc + x * acc_stride + 8, a[x][1]);
+    keel::storev(acc + x * acc_stride, a[x][0]);
+    keel::storev(acc + x * acc_stride + lanes, a[x][1]);
   }
 }
 
@@ -128,7 +147,7 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const float* kt, i
   for (int64_t kb = k_begin; kb < k_end; kb += kKeys) {
     const int64_t n = std::min(kKeys, k_end - kb), n16 = (n + 15) / 16 * 16;
     for (int64_t x = 0; x < nv4; x += kTile)
-      for (int64_t j = 0; j < n16; j += 16)
+      for (int64_t j = 0; j < n16; j += kSpan)  // up to kSpan - 16 keys past n16: unused
         scores_tile(w.q.data() + x * D, D, kt + kb + j, kt_stride, s + x * kKeys + j, kKeys);
     // Online softmax over each vector's visible keys of the block, [lo, hi): keys past its
     // row's position (the causal edge) or too far behind it (a sliding window) are given
@@ -170,9 +189,15 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const float* kt, i
       }
     }
     const T* vb = v_ptr + kb * v_stride + hk * D;
-    for (int64_t x = 0; x < nv4; x += kTile)
-      for (int d = 0; d < D; d += 16)
-        values_tile(s + x * kKeys, kKeys, vb + d, v_stride, n, w.acc.data() + x * D + d, D);
+    for (int64_t x = 0; x < nv4; x += kTile) {
+      int64_t d = 0;
+      if constexpr (kSpan == 32)
+        for (; d + 32 <= D; d += 32)
+          values_tile<Vec>(s + x * kKeys, kKeys, vb + d, v_stride, n, w.acc.data() + x * D + d,
+                           D);
+      for (; d < D; d += 16)
+        values_tile<v8>(s + x * kKeys, kKeys, vb + d, v_stride, n, w.acc.data() + x * D + d, D);
+    }
   }
   for (int64_t r = 0; r < nr; ++r)
     for (int64_t g = 0; g < G; ++g) {
@@ -190,7 +215,8 @@ void prefill_kernel(const at::Tensor& query, const at::Tensor& key, const at::Te
   const int64_t L = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t S = key.size(0), Hkv = key.size(1);
   const int64_t G = H / Hkv, offset = S - L;
-  const int64_t s_pad = (S + 15) / 16 * 16 + 16;  // a 16-key tile may read past the last key
+  // A score tile may read up to kSpan keys past the last.
+  const int64_t s_pad = (S + 15) / 16 * 16 + kSpan;
   // Keys transposed to [Hkv, D, s_pad] (zeros past S: masked, never weighted).
   std::vector<float> kt(Hkv * D * s_pad, 0.f);
   const T* k_ptr = key.data_ptr<T>();

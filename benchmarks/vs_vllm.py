@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# --no-amx: what each engine's process is given (no_amx/sitecustomize.py reads KEEL_AMX too).
+NO_AMX_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "KEEL_AMX": "0"}
 WORKLOADS = {"short": (16, 47), "long": (300, 800)}
 WARMUP = 8  # tokens per prompt of the warm-up run (4 prompts)
 
@@ -349,6 +351,10 @@ class Child:
         cmd = [python, __file__, "--child", engine, "--dtype", dtype, "--folder", folder,
                "--prompts-file", prompts_file, "--max-tokens", str(args.max_tokens)]
         env = dict(os.environ)
+        if args.no_amx:
+            env.update(NO_AMX_ENV)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(HERE / "no_amx"), env.get("PYTHONPATH")) if p)
         if engine == "vllm":
             cores = sorted(os.sched_getaffinity(0))
             env.update(VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}",
@@ -414,6 +420,11 @@ def main() -> None:
     ap.add_argument("--keel-gguf", action="store_true",
                     help="also run keel in bfloat16 on the .gguf file the model folder was "
                          "converted from (the same values; its int4 / Q8_0 blocks kept)")
+    ap.add_argument("--no-amx", action="store_true",
+                    help="every engine as on an AVX-512 CPU without AMX tiles, on a CPU that "
+                         "has them: oneDNN capped at AVX512_CORE_BF16, keel's AMX kernels off "
+                         "(KEEL_AMX=0), and torch.cpu._is_amx_tile_supported() false in every "
+                         "child process (vLLM-CPU picks its attention kernel by it)")
     # Child process arguments.
     ap.add_argument("--child", choices=CHILDREN, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -450,7 +461,9 @@ def report(args) -> None:
               + ("one process per engine and round, alternating" if args.fresh_processes else
                  "every engine resident in its own process, each workload run on one engine "
                  "after another (reversed every other round)")
-              + f", best of {args.repeats}")
+              + f", best of {args.repeats}"
+              + (" | --no-amx: AMX hidden from every engine (ONEDNN_MAX_CPU_ISA="
+                 "AVX512_CORE_BF16, KEEL_AMX=0, torch's AMX check false)" if args.no_amx else ""))
     print(header, flush=True)
     runs: list[tuple[str, str]] = [(e, d) for e in args.engines
                                    for d in (args.hf_dtypes or args.dtypes if e == "hf"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -27,7 +28,14 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 @functools.cache
 def cpu_has_amx_bfloat16() -> bool:
     """Whether this CPU has AMX tiles and oneDNN computes bfloat16 GEMMs on them (asked once:
-    the attention backend asks on every pass with long prompt chunks)."""
+    the attention backend asks on every pass with long prompt chunks).
+
+    `KEEL_AMX=0` answers no, and keel's own AMX kernels stay off (csrc/prefill_attention_amx.cpp):
+    keel then chooses and runs as on an AVX-512 CPU without tiles. With
+    `ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16` oneDNN leaves them too; together they stand in for
+    an AVX-512 Xeon without AMX (`benchmarks/vs_vllm.py --no-amx`)."""
+    if os.environ.get("KEEL_AMX", "1") == "0":
+        return False
     return bool(torch.cpu._is_amx_tile_supported()
                 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 

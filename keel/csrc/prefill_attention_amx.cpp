@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -52,8 +53,12 @@ constexpr int64_t kRows = 16;   // query rows per item: the rows of an A tile
 constexpr int64_t kBlock = 32;  // keys per block: the K dimension of the P V product
 constexpr float kLazy = 8.0f;   // a row's maximum is raised past this margin only
 
+// KEEL_AMX=0 leaves the tiles alone (keel then runs as on an AVX-512 CPU without them; see
+// keel/dtypes.py cpu_has_amx_bfloat16).
 bool tiles_permitted() {
   static const bool ok = [] {
+    const char* env = std::getenv("KEEL_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch/x86/include/uapi/asm/prctl.h
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
   }();

@@ -25,9 +25,35 @@ def test_float32_model_computes_in_bfloat16_only_where_the_cpu_has_amx(hf_model_
     assert ModelConfig(None, device="cpu").torch_dtype == torch.float32  # the default .gguf
 
 
-def test_amx_check_reads_this_cpu():
+def test_amx_check_reads_this_cpu(monkeypatch):
+    monkeypatch.delenv("KEEL_AMX", raising=False)
+    dtypes.cpu_has_amx_bfloat16.cache_clear()
     assert dtypes.cpu_has_amx_bfloat16() == (
         torch.cpu._is_amx_tile_supported() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def test_keel_amx_0_runs_as_on_a_cpu_without_tiles(hf_model_dir):
+    """KEEL_AMX=0 (vs_vllm.py --no-amx): no AMX in dtype="auto" and none of keel's AMX
+    kernels, whatever this CPU has. In a fresh process: both answers are cached per process."""
+    import subprocess
+    import sys
+
+    folder = hf_model_dir("llama")  # saved in float32: "auto" computes in bfloat16 on AMX only
+    code = (
+        "import torch\n"
+        "from keel import dtypes\n"
+        "from keel.config import ModelConfig\n"
+        "from keel.cpu_ops import get_cpu_ops\n"
+        "assert not dtypes.cpu_has_amx_bfloat16()\n"
+        f"assert ModelConfig({str(folder)!r}, device='cpu').torch_dtype == torch.float32\n"
+        "ops = get_cpu_ops()\n"
+        "assert ops is None or not ops.prefill_attention_amx_available()\n"
+        "assert ops is None or not ops.amx_gemm_available()\n"
+        "print('ok')\n")
+    env = {**__import__("os").environ, "KEEL_AMX": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def _kv_dtype(folder, monkeypatch, amx: bool, **kw) -> torch.dtype:

@@ -7,11 +7,13 @@
 // blocks, each chunk's K and V of every KV head read together with an online softmax, the
 // next chunk prefetched a few lines at a time. At 64 requests over 300-930 keys of the default
 // model this reads K and V from memory ~1.1-1.2x faster than a pass over K then one over V per
-// (row, KV head) did, which stalled on each 4 KiB run (BENCHMARKS.md, eighth round). In
-// bfloat16 on a CPU with AVX512-BF16 they take `decode_row_bf16`: the same chunks, with the
-// scores and the values both on `vdpbf16ps` (twenty-first round); elsewhere a bfloat16 cache
-// (under a bfloat16 query, or a float32 one: kv_cache_dtype) is read split into even and odd
-// dims (`load_split`). Other shapes take a plain loop. Work is split over rows (or (row, KV
+// (row, KV head) did, which stalled on each 4 KiB run (BENCHMARKS.md, eighth round). A
+// bfloat16 cache (under a bfloat16 query, or a float32 one: kv_cache_dtype) is read split into
+// even and odd dims (`load_split`, `piece32`). On a CPU with AVX-512 a float32 or bfloat16 cache
+// takes `decode_row16`, the same chunks in 16 float lanes (thirty-fourth round), unless the CPU's
+// bfloat16 dot products give more products per cycle than its FMAs: then a bfloat16 row takes
+// `decode_row_bf16`, scores and values on `vdpbf16ps` (twenty-first round; `bf16_dot_chosen`).
+// Other shapes take a plain loop. Work is split over rows (or (row, KV
 // head) pairs when rows are few), claimed by torch's threads in runs (claims.h); the
 // G = num_heads / num_kv_heads query heads of a group share every key and value they read.
 //
@@ -31,6 +33,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -113,6 +117,11 @@ inline v8 scores8(const float* q, const T* k, int64_t D) {
 // the core (measured: 1.1-1.2x on a 64-request decode over 300-930 keys). Locality 2 fetches
 // into L2 (decode_row: a float32 chunk's 24 KB into L1 read level, thirty-first round), 3 into
 // L1 (decode_row_bf16's 24 KB: 3-10% faster from memory than into L2, twenty-first round).
+struct NextItem {  // the thread's next item: its first chunk is prefetched during this one's last
+  const int32_t* row = nullptr;
+  int64_t b0 = 0, nb = 0, h0 = 0;  // first block, blocks of the first chunk, first KV head
+};
+
 template <int Locality>
 struct Prefetcher {
   const char* run[2 * kChunkBlocks];
@@ -130,6 +139,18 @@ struct Prefetcher {
     }
     runs = static_cast<int>(2 * n), i = 0, off = 0;
     lines = static_cast<int>((runs * bytes / 64 + steps - 1) / steps);
+  }
+  // Aims at the chunk after blocks row[b .. b + nb), the `next` blocks from b + nb, or where
+  // there are none at the next item's first chunk (nx); a block's KV heads from h0 (runs of
+  // `run` elements).
+  template <typename T>
+  inline void aim_next(const T* k, const T* v, const int32_t* row, int64_t b, int64_t nb,
+                       int64_t next, const NextItem& nx, int64_t block_elems, int64_t run,
+                       int64_t h0, int64_t steps) {
+    if (next == 0 && nx.row != nullptr)
+      aim(k, v, nx.row, nx.b0, nx.nb, block_elems, nx.h0 * run, steps);
+    else
+      aim(k, v, row, b + nb, next, block_elems, h0 * run, steps);
   }
   // The same lines as one at a time with a check per line, a run's stretch per loop: at 8
   // prefetches per key and KV head (float32) the per-line loop was ~12% of the kernel's
@@ -360,6 +381,24 @@ inline void unscramble(const float* acc, float scale, bf16* out) {
 }
 #endif
 
+// f(GT, NP) with GT = gt in 1..4 and NP = np in 1..2 as compile-time constants: the value
+// tiles' shapes (up to 4 query heads by 32 or 64 dims).
+template <typename F>
+inline void with_tile(int64_t gt, int64_t np, F&& f) {
+  auto heads = [&](auto n) {
+    switch (gt) {
+      case 4: f(std::integral_constant<int, 4>{}, n); break;
+      case 3: f(std::integral_constant<int, 3>{}, n); break;
+      case 2: f(std::integral_constant<int, 2>{}, n); break;
+      default: f(std::integral_constant<int, 1>{}, n);
+    }
+  };
+  if (np == 2)
+    heads(std::integral_constant<int, 2>{});
+  else
+    heads(std::integral_constant<int, 1>{});
+}
+
 struct Scratch {
   std::vector<float> q, acc, m, l, s;
   std::vector<uint16_t> p;        // decode_row_bf16: a chunk's weights in bfloat16
@@ -367,10 +406,6 @@ struct Scratch {
 };
 
 #if KEEL_BF16_DOT
-struct NextItem {  // the thread's next item: its first chunk is prefetched during this one's last
-  const int32_t* row = nullptr;
-  int64_t b0 = 0, nb = 0, h0 = 0;  // first block, blocks of the first chunk, first KV head
-};
 
 // decode_row for bfloat16 on a CPU with AVX512-BF16: the same chunks, online softmax and
 // prefetch, with scores 16 keys at a time (scores16_bf16) and values two keys at a time
@@ -403,10 +438,7 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
   const bf16* vblk[kChunkBlocks];
   for (int64_t b = start / bs; b < b_end; b += cb) {
     const int64_t nb = std::min(cb, b_end - b), next = std::min(cb, b_end - b - nb);
-    if (next == 0 && nx.row != nullptr)  // the last chunk: the next item's first
-      pf.aim(k_ptr, v_ptr, nx.row, nx.b0, nx.nb, block_elems, nx.h0 * run, steps);
-    else
-      pf.aim(k_ptr, v_ptr, row, b + nb, next, block_elems, h0 * run, steps);
+    pf.aim_next(k_ptr, v_ptr, row, b, nb, next, nx, block_elems, run, h0, steps);
     // Keys [lo, hi) of the chunk are visible; scores are computed 16 at a time over [lo16, hi16).
     const int64_t lo = std::max(start, b * bs) - b * bs, hi = std::min(len, (b + nb) * bs) - b * bs;
     const int64_t lo16 = lo / 16 * 16, hi16 = (hi + 15) / 16 * 16;
@@ -462,31 +494,271 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
         for (int64_t d = 0; d < D; d += 32 * nv) {
           const uint16_t* pg = pp + g * span;
           float* ag = a + g * D + d;
-          const int gt = static_cast<int>(std::min<int64_t>(G - g, 4));
-#define KEEL_VALUES(GT, NV) \
-  values_pairs<GT, NV>(pg, span, vblk, bs, D, d, lo, hi, w.zero.data(), ag, D, pf)
-          if (nv == 2) {
-            switch (gt) {
-              case 4: KEEL_VALUES(4, 2); break;
-              case 3: KEEL_VALUES(3, 2); break;
-              case 2: KEEL_VALUES(2, 2); break;
-              default: KEEL_VALUES(1, 2);
-            }
-          } else {
-            switch (gt) {
-              case 4: KEEL_VALUES(4, 1); break;
-              case 3: KEEL_VALUES(3, 1); break;
-              case 2: KEEL_VALUES(2, 1); break;
-              default: KEEL_VALUES(1, 1);
-            }
-          }
-#undef KEEL_VALUES
+          with_tile(std::min<int64_t>(G - g, 4), nv, [&](auto gt, auto nv2) {
+            values_pairs<gt, nv2>(pg, span, vblk, bs, D, d, lo, hi, w.zero.data(), ag, D, pf);
+          });
         }
     }
   }
   for (int64_t x = 0; x < nq; ++x)
     for (int64_t d = 0; d < D; d += 32)
       unscramble(w.acc.data() + x * D + d, 1.f / w.l[x], out + x * D + d);
+}
+#endif
+
+#if defined(__AVX512F__)
+#define KEEL_ATTN512 1
+// decode_row in 16 float lanes (`decode_row16`), for a float32 or bfloat16 cache under a float32
+// query, or a bfloat16 cache under a bfloat16 query, on any CPU with AVX-512: every product is a
+// float32 FMA. A 32-dim piece of a row is two float vectors in "lane order": a float32 piece in
+// order, a bfloat16 one as its 16 even dims, then its 16 odd ones (a shift and a mask per 32
+// values, no widening load). The query and the value accumulators are kept in the same order.
+template <typename T>
+inline void piece32(const T* p, __m512& a, __m512& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = _mm512_loadu_ps(p);
+    b = _mm512_loadu_ps(p + 16);
+  } else {
+    const __m512i w = _mm512_loadu_si512(p);
+    a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+// Lane i < 8 of the result: the sum of a[i]'s 16 lanes (24 shuffles and adds for 8 sums).
+inline __m256 reduce8x16(const __m512* a) {
+  __m512 b[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // 128-bit group k: pair sums of a[2i]'s and a[2i+1]'s group k
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xDD));
+  // Group k of c0 (c1): group k's sums of a[0..3] (a[4..7]).
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_ps(b[0], b[1], 0x88), _mm512_shuffle_ps(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_ps(b[2], b[3], 0x88), _mm512_shuffle_ps(b[2], b[3], 0xDD));
+  // [c0 g0+g1, c0 g2+g3, c1 g0+g1, c1 g2+g3], then groups 0 and 1 of y: keys 0-3 and 4-7.
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x, x, 0x88), _mm512_shuffle_f32x4(x, x, 0xDD));
+  return _mm512_castps512_ps256(y);
+}
+
+// Scores of 8 consecutive keys (rows of D elements from k, D % 32 == 0) against GT query heads
+// (q: GT rows of D floats in lane order, scaled): s[g * s_stride + i]. Each key's row is
+// loaded once for the GT heads.
+template <int GT, typename T>
+inline void scores_tile(const float* q, int64_t D, const T* k, float* s, int64_t s_stride) {
+  __m512 a[GT][8];
+#pragma GCC unroll 3
+  for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) a[g][i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 32) {
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      __m512 x0, x1;
+      piece32(k + i * D + c, x0, x1);
+#pragma GCC unroll 3
+      for (int g = 0; g < GT; ++g) {
+        a[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c), x0, a[g][i]);
+        a[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c + 16), x1, a[g][i]);
+      }
+    }
+  }
+#pragma GCC unroll 3
+  for (int g = 0; g < GT; ++g) _mm256_storeu_ps(s + g * s_stride, reduce8x16(a[g]));
+}
+
+// acc[GT query heads][32 * NP dims from d0, lane order] += sum over the chunk's keys j in
+// [lo, hi) of p[g][j] * v[j], the keys' rows found block by block (vblk, bs keys each).
+template <int GT, int NP, typename T>
+inline void values_tile16(const float* p, int64_t p_stride, const T* const* vblk, int64_t bs,
+                          int64_t D, int64_t d0, int64_t lo, int64_t hi, float* acc,
+                          int64_t acc_stride) {
+  __m512 a[GT][2 * NP];
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < 2 * NP; ++c) a[g][c] = _mm512_loadu_ps(acc + g * acc_stride + 16 * c);
+  for (int64_t bi = lo / bs; bi * bs < hi; ++bi) {
+    const int64_t t0 = std::max<int64_t>(lo - bi * bs, 0), t1 = std::min(hi - bi * bs, bs);
+    const T* vb = vblk[bi] + d0;
+    const float* pb = p + bi * bs;
+    for (int64_t t = t0; t < t1; ++t) {
+      __m512 x[2 * NP];
+#pragma GCC unroll 2
+      for (int c = 0; c < NP; ++c) piece32(vb + t * D + 32 * c, x[2 * c], x[2 * c + 1]);
+#pragma GCC unroll 4
+      for (int g = 0; g < GT; ++g) {
+        const __m512 pg = _mm512_set1_ps(pb[g * p_stride + t]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 2 * NP; ++c) a[g][c] = _mm512_fmadd_ps(pg, x[c], a[g][c]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < 2 * NP; ++c) _mm512_storeu_ps(acc + g * acc_stride + 16 * c, a[g][c]);
+}
+
+// decode_row's chunks, online softmax and prefetch (the next item's first chunk too, as in
+// decode_row_bf16), in 16 lanes: scores 8 keys by up to 3 query heads at a time, values up to
+// 4 heads by 64 dims. Needs D % 32 == 0 and block_size % 8 == 0.
+template <typename TQ, typename T>
+void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row, int64_t bs,
+                  int64_t block_elems, int64_t start, int64_t len, int64_t h0, int64_t h1,
+                  int64_t G, int64_t D, float scale, TQ* out, Scratch& w, const NextItem& nx) {
+  constexpr bool is_f32 = std::is_same_v<T, float>;
+  const int64_t nh = h1 - h0, nq = nh * G, run = bs * D;  // run: one head's keys of a block
+  const int64_t cb = std::max<int64_t>(1, chunk_keys<T>() / bs), span = cb * bs;
+  const int64_t ss = (span + 15) / 16 * 16;  // a head's scores in w.s
+  const float ninf = -std::numeric_limits<float>::infinity();
+  w.q.resize(nq * D);
+  w.acc.assign(nq * D, 0.f);
+  w.m.assign(nq, ninf);
+  w.l.assign(nq, 0.f);
+  w.s.resize(G * ss);
+  for (int64_t x = 0; x < nq * D; x += 32) {  // the query in lane order, scaled
+    for (int i = 0; i < 16; ++i) {
+      w.q[x + i] = static_cast<float>(q[x + (is_f32 ? i : 2 * i)]) * scale;
+      w.q[x + 16 + i] = static_cast<float>(q[x + (is_f32 ? 16 + i : 2 * i + 1)]) * scale;
+    }
+  }
+  const int64_t b_end = (len + bs - 1) / bs;
+  const int64_t np = D % 64 == 0 ? 2 : 1;
+  const int64_t steps = nh * ((G + 2) / 3 * (span / 8) + (G + 3) / 4 * (D / (32 * np)));
+  float* s = w.s.data();
+  Prefetcher<is_f32 ? 2 : 3> pf;
+  pf.bytes = nh * run * static_cast<int64_t>(sizeof(T));
+  const T* kblk[kChunkBlocks];
+  const T* vblk[kChunkBlocks];
+  for (int64_t b = start / bs; b < b_end; b += cb) {
+    const int64_t nb = std::min(cb, b_end - b), next = std::min(cb, b_end - b - nb);
+    pf.aim_next(k_ptr, v_ptr, row, b, nb, next, nx, block_elems, run, h0, steps);
+    // Keys [lo, hi) of the chunk are visible; scores are computed 8 at a time over [lo8, hi8)
+    // and the softmax goes 16 at a time over [lo16, hi16), the other keys' scores -inf.
+    const int64_t lo = std::max(start, b * bs) - b * bs, hi = std::min(len, (b + nb) * bs) - b * bs;
+    const int64_t lo8 = lo / 8 * 8, hi8 = (hi + 7) / 8 * 8;
+    const int64_t lo16 = lo / 16 * 16, hi16 = (hi + 15) / 16 * 16;
+    for (int64_t h = h0; h < h1; ++h) {
+      head_runs(k_ptr, v_ptr, row + b, nb, block_elems, h * run, kblk, vblk);
+      const int64_t x0 = (h - h0) * G;
+      for (int64_t g = 0; g < G; g += 3) {
+        const float* qg = w.q.data() + (x0 + g) * D;
+        for (int64_t j = lo8; j < hi8; j += 8) {
+          pf.step();
+          const T* kj = kblk[j / bs] + (j % bs) * D;  // 8 keys of one block (bs % 8 == 0)
+          switch (std::min<int64_t>(G - g, 3)) {
+            case 3: scores_tile<3>(qg, D, kj, s + g * ss + j, ss); break;
+            case 2: scores_tile<2>(qg, D, kj, s + g * ss + j, ss); break;
+            default: scores_tile<1>(qg, D, kj, s + g * ss + j, ss);
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s + g * ss;
+        for (int64_t j = lo16; j < lo; ++j) sg[j] = ninf;
+        for (int64_t j = hi; j < hi16; ++j) sg[j] = ninf;
+        // Online softmax: the running maximum m, sum l, and the accumulator rescaled when
+        // the maximum grows.
+        __m512 mv = _mm512_set1_ps(w.m[x0 + g]);
+        for (int64_t j = lo16; j < hi16; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + j));
+        const float mx = _mm512_reduce_max_ps(mv);
+        // 0 on the first chunk; 1 (no call: the same bits) while the maximum holds.
+        const float alpha = mx == w.m[x0 + g] ? 1.f : std::exp(w.m[x0 + g] - mx);
+        w.m[x0 + g] = mx;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = lo16; j < hi16; j += 16) {
+          const __m512 e = _mm512_loadu_ps(sg + j);
+          const __mmask16 live = _mm512_cmp_ps_mask(e, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
+          const v16 x = (v16)_mm512_sub_ps(e, _mm512_set1_ps(mx));
+          const __m512 p = _mm512_maskz_mov_ps(live, (__m512)keel::expv(x));
+          _mm512_storeu_ps(sg + j, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        w.l[x0 + g] = w.l[x0 + g] * alpha + _mm512_reduce_add_ps(sum);
+        if (alpha != 1.f) {
+          float* a = w.acc.data() + (x0 + g) * D;
+          const __m512 al = _mm512_set1_ps(alpha);
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), al));
+        }
+      }
+      float* a = w.acc.data() + x0 * D;
+      for (int64_t g = 0; g < G; g += 4)
+        for (int64_t d = 0; d < D; d += 32 * np) {
+          pf.step();
+          const float* pg = s + g * ss;
+          float* ag = a + g * D + d;
+          with_tile(std::min<int64_t>(G - g, 4), np, [&](auto gt, auto np2) {
+            values_tile16<gt, np2>(pg, ss, vblk, bs, D, d, lo, hi, ag, D);
+          });
+        }
+    }
+  }
+  // Back in order (a bfloat16 piece's even and odd dims interleaved) and divided by the sum.
+  const __m512i lo_dims = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi_dims = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                            15, 31);
+  for (int64_t x = 0; x < nq; ++x) {
+    const __m512 inv = _mm512_set1_ps(1.f / w.l[x]);
+    for (int64_t d = 0; d < D; d += 32) {
+      const float* a = w.acc.data() + x * D + d;
+      __m512 y0 = _mm512_loadu_ps(a), y1 = _mm512_loadu_ps(a + 16);
+      if constexpr (!is_f32) {
+        const __m512 e = y0;
+        y0 = _mm512_permutex2var_ps(e, lo_dims, y1);
+        y1 = _mm512_permutex2var_ps(e, hi_dims, y1);
+      }
+      keel::store16(out + x * D + d, (v16)_mm512_mul_ps(y0, inv));
+      keel::store16(out + x * D + d + 16, (v16)_mm512_mul_ps(y1, inv));
+    }
+  }
+}
+#else
+#define KEEL_ATTN512 0
+#endif
+
+#if KEEL_BF16_DOT
+// Products per nanosecond of `vdpbf16ps` (32 an instruction) or of float32 FMAs (16), on 12
+// independent accumulators: the best of 5 short runs.
+template <bool Dot>
+double products_per_ns() {
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    __m512 a[12];
+    // Normal numbers throughout: denormal products took the FMAs 6x longer (microcode).
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(static_cast<float>(i));
+    const __m512 x = _mm512_set1_ps(1.0f), y = _mm512_set1_ps(1e-3f);
+    constexpr int kIters = 512;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int it = 0; it < kIters; ++it) {
+#pragma GCC unroll 12
+      for (int i = 0; i < 12; ++i) a[i] = Dot ? dp(a[i], x, y) : _mm512_fmadd_ps(x, y, a[i]);
+      __asm__ volatile("" : "+v"(a[0]), "+v"(a[6]));
+    }
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+    __m512 sum = a[0];
+    for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, a[i]);
+    volatile float sink = _mm512_reduce_add_ps(sum);
+    (void)sink;
+    best = std::max(best, (Dot ? 32.0 : 16.0) * 12 * kIters / std::max(ns, 1.0));
+  }
+  return best;
+}
+
+// Whether a bfloat16 decode row takes decode_row_bf16 (bfloat16 dot products) rather than
+// decode_row16 (float32 FMAs), where both are built. Measured once: on the Intel Xeon of the
+// thirty-fourth round `vdpbf16ps` issued one every other cycle against two FMAs a cycle, half
+// the products per cycle, and decode_row16 took 0.77x decode_row_bf16's time with the cache
+// in L2 (level from memory). A CPU whose dot products give more products than its FMAs keeps
+// decode_row_bf16. KEEL_ATTN_BF16_DOT=0|1 forces it (read per call: tests set it).
+bool bf16_dot_chosen() {
+  if (const char* e = std::getenv("KEEL_ATTN_BF16_DOT"); e != nullptr && e[0] != '\0')
+    return e[0] != '0';
+  static const bool faster = [] {
+    products_per_ns<true>();  // warm-up: the clock and the vector units
+    products_per_ns<false>();
+    return products_per_ns<true>() > 1.1 * products_per_ns<false>();
+  }();
+  return faster;
 }
 #endif
 
@@ -628,6 +900,17 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
     return sliding_window > 0 ? std::max<int64_t>(0, sl[r] - sliding_window) : int64_t{0};
   };
   auto table_row = [&](int64_t r) { return bt + (rows != nullptr ? rows[r] : r) * max_blocks; };
+  // The first chunk of item i (if i < end and it has keys), to prefetch during the last one's.
+  auto next_item = [&](int64_t i, int64_t end) {
+    NextItem nx;
+    if (const int64_t r2 = i / per_row; i < end && sl[r2] > first_key(r2)) {
+      nx.row = table_row(r2);
+      nx.b0 = first_key(r2) / bs;
+      nx.nb = std::min(std::max<int64_t>(1, chunk_keys<T>() / bs), (sl[r2] + bs - 1) / bs - nx.b0);
+      nx.h0 = i % per_row * hpi;
+    }
+    return nx;
+  };
   auto run_items = [&](int64_t begin, int64_t end, Scratch& w, std::vector<float>& qf,
                        std::vector<float>& acc, std::vector<float>& scores) {
     for (int64_t item = begin; item < end; ++item) {
@@ -639,16 +922,22 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       if (fast) {
 #if KEEL_BF16_DOT
         if constexpr (std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16>) {
-          NextItem nx;
-          if (const int64_t r2 = (item + 1) / per_row; item + 1 < end && sl[r2] > first_key(r2)) {
-            nx.row = table_row(r2);
-            nx.b0 = first_key(r2) / bs;
-            nx.nb = std::min(std::max<int64_t>(1, kChunkKeys / bs), (sl[r2] + bs - 1) / bs - nx.b0);
-            nx.h0 = (item + 1) % per_row * hpi;
+          if (bf16_dot_chosen()) {
+            const NextItem nx = next_item(item + 1, end);
+            decode_row_bf16(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs,
+                            block_elems, start, len, hk, hk + hpi, G, D,
+                            static_cast<float>(scale), o_ptr + (r * H + hk * G) * D, w, nx);
+            continue;
           }
-          decode_row_bf16(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
-                          start, len, hk, hk + hpi, G, D, static_cast<float>(scale),
-                          o_ptr + (r * H + hk * G) * D, w, nx);
+        }
+#endif
+#if KEEL_ATTN512
+        if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) &&
+                      (std::is_same_v<TQ, float> || std::is_same_v<TQ, T>)) {
+          const NextItem nx = next_item(item + 1, end);
+          decode_row16<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs,
+                              block_elems, start, len, hk, hk + hpi, G, D,
+                              static_cast<float>(scale), o_ptr + (r * H + hk * G) * D, w, nx);
           continue;
         }
 #endif

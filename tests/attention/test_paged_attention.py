@@ -199,14 +199,34 @@ def test_long_chunk_kernel_by_measuring(monkeypatch):
 def test_decode_rows(monkeypatch, use_kernel, window, dtype, tol, heads, kv_heads, head_dim,
                      block_size):
     """Head sizes 32, 64 and 128 with blocks of 8 or 16 take the kernel's chunked
-    online-softmax path (`decode_row`, or `decode_row_bf16` for bfloat16 on a CPU with
-    AVX512-BF16: contexts across several chunks, windows starting mid-block, odd first and
-    last keys, groups of 1-16 query heads), head size 40 or blocks of 4 its plain loop."""
+    online-softmax path (`decode_row16` on a CPU with AVX-512, `decode_row` elsewhere, or
+    `decode_row_bf16` for bfloat16 where its dot products were measured faster: contexts across
+    several chunks, windows starting mid-block, odd first and last keys, groups of 1-16 query
+    heads), head size 40 or blocks of 4 its plain loop."""
     use_kernel_or_torch(monkeypatch, use_kernel)
     seq_lens = [1, 13, 40, 64, 5, 150, 97]
     out, ref = run_case(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim, dtype, window,
                         block_size)
     assert (out - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("bf16_dot", ["0", "1"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
+                         [(9, 3, 64, 16), (16, 1, 32, 8), (4, 1, 128, 16), (14, 2, 96, 8)])
+def test_both_bfloat16_decode_kernels(monkeypatch, bf16_dot, window, heads, kv_heads, head_dim,
+                                      block_size):
+    """A bfloat16 decode row takes `decode_row_bf16` (bfloat16 dot products) or `decode_row16`
+    (float32 FMAs), as measured once per process; KEEL_ATTN_BF16_DOT=0|1 forces either (where
+    the CPU builds it: without AVX512-BF16 both settings run the same kernel). Each against the
+    reference, NaN in the slots no row may read."""
+    assert get_cpu_ops() is not None
+    monkeypatch.setenv("KEEL_ATTN_BF16_DOT", bf16_dot)
+    seq_lens = [1, 13, 40, 64, 5, 150, 97]
+    out, ref = run_case(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim,
+                        torch.bfloat16, window, block_size, fill=float("nan"))
+    assert not out.isnan().any()
+    assert (out - ref).abs().max().item() < 3e-2
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])

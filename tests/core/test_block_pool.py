@@ -1,5 +1,6 @@
 """BlockPool against a reference model: LRU eviction in the order blocks were freed, cached
-blocks reclaimable until evicted, and a block some request holds never handed out."""
+blocks reclaimable until evicted, a block some request holds never handed out, and the blocks
+of one allocation handed out in ascending ids."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class ReferencePool:
         self.block_of: dict[bytes, int] = {}
 
     def get_new_blocks(self, k: int) -> list[int]:
-        taken, self.free = self.free[:k], self.free[k:]
+        taken, self.free = sorted(self.free[:k]), self.free[k:]
         for b in taken:
             h = self.hash_of.pop(b, None)
             if h is not None:
@@ -101,3 +102,14 @@ def test_reset_only_when_nothing_is_held():
 def test_getting_more_blocks_than_free_raises():
     with pytest.raises(ValueError, match="cannot get 5 free blocks"):
         BlockPool(4).get_new_blocks(5)
+
+
+def test_a_request_freed_in_reverse_comes_back_ascending():
+    """KVCacheManager frees a request's blocks tail first; the next request that takes them
+    gets them in ascending ids, so its consecutive blocks are consecutive in memory."""
+    pool = BlockPool(8)
+    first = pool.get_new_blocks(6)
+    assert [b.block_id for b in first] == [0, 1, 2, 3, 4, 5]
+    pool.free_blocks(list(reversed(first)))
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [6, 7]  # the queue's front first
+    assert [b.block_id for b in pool.get_new_blocks(6)] == [0, 1, 2, 3, 4, 5]  # not 5, 4, ...

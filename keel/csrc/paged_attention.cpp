@@ -911,6 +911,10 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
     }
     return nx;
   };
+#if KEEL_BF16_DOT
+  // Read once per call: the choice's environment override is a getenv.
+  const bool bf16_dot = std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16> && bf16_dot_chosen();
+#endif
   auto run_items = [&](int64_t begin, int64_t end, Scratch& w, std::vector<float>& qf,
                        std::vector<float>& acc, std::vector<float>& scores) {
     for (int64_t item = begin; item < end; ++item) {
@@ -922,7 +926,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       if (fast) {
 #if KEEL_BF16_DOT
         if constexpr (std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16>) {
-          if (bf16_dot_chosen()) {
+          if (bf16_dot) {
             const NextItem nx = next_item(item + 1, end);
             decode_row_bf16(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs,
                             block_elems, start, len, hk, hk + hpi, G, D,

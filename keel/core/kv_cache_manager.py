@@ -57,8 +57,9 @@ class BlockPool:
         ascending id order: which blocks are taken is the queue's (LRU) choice, but a request's
         consecutive blocks then lie in ascending addresses where the ids allow. A request's
         blocks are freed in reverse order, so the queue hands a later request runs of
-        descending ids; decode attention read 64 rows' contexts in ascending blocks ~1.15x
-        faster than in descending ones (BENCHMARKS.md, thirty-fourth round)."""
+        descending ids. Decode attention read 64 rows' contexts from a bfloat16 cache in 0.85x
+        the time in ascending blocks as in descending ones (float32: 0.97x; BENCHMARKS.md,
+        thirty-fourth round)."""
         if n > len(self.free_block_queue):
             raise ValueError(f"cannot get {n} free blocks from the pool")
         out = []

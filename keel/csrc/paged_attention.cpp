@@ -112,16 +112,16 @@ inline v8 scores8(const float* q, const T* k, int64_t D) {
   return reduce8(a);
 }
 
-// The next chunk's K and V runs, a few lines at a time, spread over this chunk's work: the
-// hardware prefetchers stop at 4 KiB pages and a burst of a whole chunk's prefetches stalled
-// the core (measured: 1.1-1.2x on a 64-request decode over 300-930 keys). Locality 2 fetches
-// into L2 (decode_row: a float32 chunk's 24 KB into L1 read level, thirty-first round), 3 into
-// L1 (decode_row_bf16's 24 KB: 3-10% faster from memory than into L2, twenty-first round).
 struct NextItem {  // the thread's next item: its first chunk is prefetched during this one's last
   const int32_t* row = nullptr;
   int64_t b0 = 0, nb = 0, h0 = 0;  // first block, blocks of the first chunk, first KV head
 };
 
+// The next chunk's K and V runs, a few lines at a time, spread over this chunk's work: the
+// hardware prefetchers stop at 4 KiB pages and a burst of a whole chunk's prefetches stalled
+// the core (measured: 1.1-1.2x on a 64-request decode over 300-930 keys). Locality 2 fetches
+// into L2 (decode_row: a float32 chunk's 24 KB into L1 read level, thirty-first round), 3 into
+// L1 (decode_row_bf16's 24 KB: 3-10% faster from memory than into L2, twenty-first round).
 template <int Locality>
 struct Prefetcher {
   const char* run[2 * kChunkBlocks];
@@ -406,7 +406,6 @@ struct Scratch {
 };
 
 #if KEEL_BF16_DOT
-
 // decode_row for bfloat16 on a CPU with AVX512-BF16: the same chunks, online softmax and
 // prefetch, with scores 16 keys at a time (scores16_bf16) and values two keys at a time
 // (values_pairs). The weights p are rounded to bfloat16 for the value products, as torch's

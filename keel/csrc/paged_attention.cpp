@@ -899,6 +899,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
     return sliding_window > 0 ? std::max<int64_t>(0, sl[r] - sliding_window) : int64_t{0};
   };
   auto table_row = [&](int64_t r) { return bt + (rows != nullptr ? rows[r] : r) * max_blocks; };
+#if KEEL_ATTN512  // (KEEL_BF16_DOT needs AVX-512 too)
   // The first chunk of item i (if i < end and it has keys), to prefetch during the last one's.
   auto next_item = [&](int64_t i, int64_t end) {
     NextItem nx;
@@ -910,6 +911,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
     }
     return nx;
   };
+#endif
 #if KEEL_BF16_DOT
   // Read once per call: the choice's environment override is a getenv.
   const bool bf16_dot = std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16> && bf16_dot_chosen();

@@ -229,6 +229,22 @@ def test_both_bfloat16_decode_kernels(monkeypatch, bf16_dot, window, heads, kv_h
     assert (out - ref).abs().max().item() < 3e-2
 
 
+def test_the_bfloat16_kernel_switch_takes_effect(monkeypatch):
+    """Where the CPU has AVX512-BF16 (the kernels are built for the CPU that runs them), the
+    two bfloat16 kernels give different bits (the dot-product path rounds a row's weights to
+    bfloat16), so KEEL_ATTN_BF16_DOT really switches kernels; elsewhere the same kernel runs
+    either way."""
+    assert get_cpu_ops() is not None
+    with open("/proc/cpuinfo") as f:
+        has_bf16_dot = "avx512_bf16" in f.read().split()
+    outs = []
+    for choice in ("0", "1"):
+        monkeypatch.setenv("KEEL_ATTN_BF16_DOT", choice)
+        out, _ = run_case([40, 150, 97], [1, 1, 1], 9, 3, 64, torch.bfloat16, None, 16)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) != has_bf16_dot
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("window", [None, 33])
 def test_decode_many_rows(dtype, tol, window):

@@ -411,23 +411,25 @@ struct Scratch {
 // (values_pairs). The weights p are rounded to bfloat16 for the value products, as torch's
 // CPU flash attention does for a bfloat16 query, and the softmax's sum adds the rounded
 // weights, so a row's output is a convex combination of its values. Needs D % 32 == 0 and
-// block_size % 8 == 0 (a chunk is then a whole number of 16-key groups).
+// block_size % 8 == 0.
 void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const int32_t* row,
                      int64_t bs, int64_t block_elems, int64_t start, int64_t len, int64_t h0,
                      int64_t h1, int64_t G, int64_t D, float scale, bf16* out, Scratch& w,
                      const NextItem& nx) {
   const int64_t nh = h1 - h0, nq = nh * G, run = bs * D;  // run: one head's keys of a block
-  const int64_t cb = std::max<int64_t>(1, kChunkKeys / bs), span = cb * bs;  // span % 16 == 0
+  const int64_t cb = std::max<int64_t>(1, kChunkKeys / bs), span = cb * bs;
+  // A head's scores and weights: whole 16-key groups (span is 24 with blocks of 24 keys).
+  const int64_t ss = (span + 15) / 16 * 16;
   const float ninf = -std::numeric_limits<float>::infinity();
   w.acc.assign(nq * D, 0.f);
   w.m.assign(nq, ninf);
   w.l.assign(nq, 0.f);
-  w.s.resize(G * span);
-  w.p.resize(G * span);
+  w.s.resize(G * ss);
+  w.p.resize(G * ss);
   w.zero.assign(D, bf16(0.f));
   const int64_t b_end = (len + bs - 1) / bs;
   const int64_t nv = D % 64 == 0 ? 2 : 1, tiles = (G + 3) / 4 * (D / (32 * nv));
-  const int64_t steps = nh * (G * span / 16 + tiles * cb);  // pf.step() per chunk
+  const int64_t steps = nh * (G * ss / 16 + tiles * cb);  // pf.step() per chunk
   float* s = w.s.data();
   uint16_t* pp = w.p.data();
   const __m512 ones = _mm512_castsi512_ps(_mm512_set1_epi16(0x3F80));  // bfloat16 1.0
@@ -445,7 +447,7 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
       head_runs(k_ptr, v_ptr, row + b, nb, block_elems, h * run, kblk, vblk);
       const int64_t x0 = (h - h0) * G;
       for (int64_t g = 0; g < G; ++g) {
-        float* sg = s + g * span;
+        float* sg = s + g * ss;
         __m512 mv = _mm512_set1_ps(w.m[x0 + g]);
         for (int64_t j = lo16; j < hi16; j += 16) {
           pf.step();
@@ -476,7 +478,7 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
           const v16 x = (v16)_mm512_sub_ps(e, _mm512_set1_ps(mx));
           const __m512 pf32 = _mm512_maskz_mov_ps(live, (__m512)keel::expv(x));
           const __m256bh pb = _mm512_cvtneps_pbh(pf32);
-          std::memcpy(pp + g * span + j, &pb, sizeof(pb));
+          std::memcpy(pp + g * ss + j, &pb, sizeof(pb));
           // The rounded weights, summed: pairs of (p, 1.0) products.
           sum = dp(sum, _mm512_castsi512_ps(_mm512_zextsi256_si512((__m256i)pb)), ones);
         }
@@ -491,10 +493,10 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
       float* a = w.acc.data() + x0 * D;
       for (int64_t g = 0; g < G; g += 4)  // up to 4 query heads, 32 or 64 dims at a time
         for (int64_t d = 0; d < D; d += 32 * nv) {
-          const uint16_t* pg = pp + g * span;
+          const uint16_t* pg = pp + g * ss;
           float* ag = a + g * D + d;
           with_tile(std::min<int64_t>(G - g, 4), nv, [&](auto gt, auto nv2) {
-            values_pairs<gt, nv2>(pg, span, vblk, bs, D, d, lo, hi, w.zero.data(), ag, D, pf);
+            values_pairs<gt, nv2>(pg, ss, vblk, bs, D, d, lo, hi, w.zero.data(), ag, D, pf);
           });
         }
     }

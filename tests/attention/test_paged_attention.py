@@ -213,13 +213,16 @@ def test_decode_rows(monkeypatch, use_kernel, window, dtype, tol, heads, kv_head
 @pytest.mark.parametrize("bf16_dot", ["0", "1"])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
-                         [(9, 3, 64, 16), (16, 1, 32, 8), (4, 1, 128, 16), (14, 2, 96, 8)])
+                         [(9, 3, 64, 16), (16, 1, 32, 8), (4, 1, 128, 16), (14, 2, 96, 8),
+                          (6, 2, 64, 24)])
 def test_both_bfloat16_decode_kernels(monkeypatch, bf16_dot, window, heads, kv_heads, head_dim,
                                       block_size):
     """A bfloat16 decode row takes `decode_row_bf16` (bfloat16 dot products) or `decode_row16`
     (float32 FMAs), as measured once per process; KEEL_ATTN_BF16_DOT=0|1 forces either (where
     the CPU builds it: without AVX512-BF16 both settings run the same kernel). Each against the
-    reference, NaN in the slots no row may read."""
+    reference, NaN in the slots no row may read. Blocks of 24 keys (not a power of two: the
+    engine never makes them, the op takes them) make a chunk that is not whole 16-key groups,
+    which overran the dot-product kernel's scores before its buffers were rounded up to 16."""
     assert get_cpu_ops() is not None
     monkeypatch.setenv("KEEL_ATTN_BF16_DOT", bf16_dot)
     seq_lens = [1, 13, 40, 64, 5, 150, 97]

@@ -112,6 +112,19 @@ inline v8 scores8(const float* q, const T* k, int64_t D) {
   return reduce8(a);
 }
 
+// A chunk of a row's blocks from block b: its blocks (nb, at most cb, the row ending at block
+// b_end), the next chunk's, and its visible keys [lo, hi) counted from its first key (the
+// row's keys [start, len) are visible).
+struct Chunk {
+  int64_t nb, next, lo, hi;
+};
+inline Chunk chunk_at(int64_t b, int64_t cb, int64_t b_end, int64_t bs, int64_t start,
+                      int64_t len) {
+  const int64_t nb = std::min(cb, b_end - b);
+  return {nb, std::min(cb, b_end - b - nb), std::max(start, b * bs) - b * bs,
+          std::min(len, (b + nb) * bs) - b * bs};
+}
+
 struct NextItem {  // the thread's next item: its first chunk is prefetched during this one's last
   const int32_t* row = nullptr;
   int64_t b0 = 0, nb = 0, h0 = 0;  // first block, blocks of the first chunk, first KV head
@@ -438,10 +451,10 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
   const bf16* kblk[kChunkBlocks];
   const bf16* vblk[kChunkBlocks];
   for (int64_t b = start / bs; b < b_end; b += cb) {
-    const int64_t nb = std::min(cb, b_end - b), next = std::min(cb, b_end - b - nb);
+    const Chunk ch = chunk_at(b, cb, b_end, bs, start, len);
+    const int64_t nb = ch.nb, next = ch.next, lo = ch.lo, hi = ch.hi;
     pf.aim_next(k_ptr, v_ptr, row, b, nb, next, nx, block_elems, run, h0, steps);
     // Keys [lo, hi) of the chunk are visible; scores are computed 16 at a time over [lo16, hi16).
-    const int64_t lo = std::max(start, b * bs) - b * bs, hi = std::min(len, (b + nb) * bs) - b * bs;
     const int64_t lo16 = lo / 16 * 16, hi16 = (hi + 15) / 16 * 16;
     for (int64_t h = h0; h < h1; ++h) {
       head_runs(k_ptr, v_ptr, row + b, nb, block_elems, h * run, kblk, vblk);
@@ -631,11 +644,11 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
   const T* kblk[kChunkBlocks];
   const T* vblk[kChunkBlocks];
   for (int64_t b = start / bs; b < b_end; b += cb) {
-    const int64_t nb = std::min(cb, b_end - b), next = std::min(cb, b_end - b - nb);
+    const Chunk ch = chunk_at(b, cb, b_end, bs, start, len);
+    const int64_t nb = ch.nb, next = ch.next, lo = ch.lo, hi = ch.hi;
     pf.aim_next(k_ptr, v_ptr, row, b, nb, next, nx, block_elems, run, h0, steps);
     // Keys [lo, hi) of the chunk are visible; scores are computed 8 at a time over [lo8, hi8)
     // and the softmax goes 16 at a time over [lo16, hi16), the other keys' scores -inf.
-    const int64_t lo = std::max(start, b * bs) - b * bs, hi = std::min(len, (b + nb) * bs) - b * bs;
     const int64_t lo8 = lo / 8 * 8, hi8 = (hi + 7) / 8 * 8;
     const int64_t lo16 = lo / 16 * 16, hi16 = (hi + 15) / 16 * 16;
     for (int64_t h = h0; h < h1; ++h) {
@@ -750,10 +763,12 @@ double products_per_ns() {
 // thirty-fourth round `vdpbf16ps` issued one every other cycle against two FMAs a cycle, half
 // the products per cycle, and decode_row16 took 0.77x decode_row_bf16's time with the cache
 // in L2 (level from memory). A CPU whose dot products give more products than its FMAs keeps
-// decode_row_bf16. KEEL_ATTN_BF16_DOT=0|1 forces it (read per call: tests set it).
+// decode_row_bf16. KEEL_ATTN_BF16_DOT=0|1 forces it (read per call: tests set it); any other
+// value, or none, leaves it to the measurement.
 bool bf16_dot_chosen() {
-  if (const char* e = std::getenv("KEEL_ATTN_BF16_DOT"); e != nullptr && e[0] != '\0')
-    return e[0] != '0';
+  if (const char* e = std::getenv("KEEL_ATTN_BF16_DOT"); e != nullptr && (e[0] == '0' || e[0] == '1') &&
+                                                          e[1] == '\0')
+    return e[0] == '1';
   static const bool faster = [] {
     products_per_ns<true>();  // warm-up: the clock and the vector units
     products_per_ns<false>();
@@ -798,10 +813,10 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
   const T* kblk[kChunkBlocks];
   const T* vblk[kChunkBlocks];
   for (int64_t b = start / bs; b < b_end; b += cb) {
-    const int64_t nb = std::min(cb, b_end - b), next = std::min(cb, b_end - b - nb);
+    const Chunk ch = chunk_at(b, cb, b_end, bs, start, len);
+    const int64_t nb = ch.nb, next = ch.next, lo = ch.lo, hi = ch.hi;
     pf.aim(k_ptr, v_ptr, row, b + nb, next, block_elems, h0 * run, steps);
     // Keys [lo, hi) of the chunk are visible; scores are computed 8 at a time over [lo8, hi8).
-    const int64_t lo = std::max(start, b * bs) - b * bs, hi = std::min(len, (b + nb) * bs) - b * bs;
     const int64_t lo8 = lo / 8 * 8, hi8 = (hi + 7) / 8 * 8;
     for (int64_t h = h0; h < h1; ++h) {
       head_runs(k_ptr, v_ptr, row + b, nb, block_elems, h * run, kblk, vblk);

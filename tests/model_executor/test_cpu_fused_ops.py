@@ -115,7 +115,7 @@ def test_rms_norm_layer_kernel_and_torch_paths_agree(monkeypatch, dtype):
 def test_argmax_rows_equals_torch(ops):
     """keel's greedy argmax: the same index as torch's, with ties (the first), NaN (the first
     NaN), +-inf, a row of -inf, and widths that are not a multiple of 8."""
-    x = torch.randn(9, 49157)
+    x = torch.randn(11, 49157)
     x[1, 100] = float("nan")
     x[1, 50] = float("inf")
     x[2, 7] = x[2, 9] = x[2].max() + 1
@@ -123,7 +123,12 @@ def test_argmax_rows_equals_torch(ops):
     x[4] = -float("inf")
     x[5, 3] = x[5, 3 + 8] = float("nan")
     x[6] = 0.0
-    for t in (x, torch.randn(3, 5), torch.randn(4, 8), torch.randn(1, 1)):
+    x[7, 21] = x[7, 35] = x[7, 40_001] = 50.0  # equal maxima in lanes 5 and 3: the first index
+    x[8, 4] = x[8, -1] = 50.0  # the tail past the last 16 ties the maximum
+    x[9, -2] = 50.0  # the maximum only in the tail
+    x[10, 16 * 3000 + 15] = 50.0  # in the last lane
+    for t in (x, torch.randn(3, 5), torch.randn(4, 8), torch.randn(1, 1), torch.randn(2, 16),
+              torch.randn(2, 17), -torch.arange(40.0).repeat(2, 1)):
         assert torch.equal(ops.argmax_rows(t), t.argmax(-1))
         # bfloat16 (a greedy step's LM head output): its float32 upcast's index, ties
         # included (rounding makes many)

@@ -26,7 +26,9 @@ from keel.cpu_ops import get_cpu_ops
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DTYPES = {"bf16/bf16": (torch.bfloat16, torch.bfloat16), "bf16 cache/fp32 query":
-          (torch.bfloat16, torch.float32), "fp32/fp32": (torch.float32, torch.float32)}
+          (torch.bfloat16, torch.float32), "fp32/fp32": (torch.float32, torch.float32),
+          "int8 cache/bf16 query": (torch.int8, torch.bfloat16),
+          "int8 cache/fp32 query": (torch.int8, torch.float32)}
 
 
 def make_case(rows: int, lo: int, hi: int, layers: int, cache_dtype, query_dtype, order: str):
@@ -39,8 +41,14 @@ def make_case(rows: int, lo: int, hi: int, layers: int, cache_dtype, query_dtype
     elif order == "random":
         ids = torch.randperm(rows * per, generator=g).view(rows, per)
     q = torch.randn(rows, HEADS, HEAD_DIM, generator=g).to(query_dtype)
-    caches = [tuple(torch.randn(rows * per, KV_HEADS, BLOCK, HEAD_DIM, generator=g)
-                    .to(cache_dtype) for _ in range(2)) for _ in range(layers)]
+    if cache_dtype == torch.int8:  # kv_cache_dtype="int8": rows of int8 and their scales
+        caches = [tuple(torch.randint(-127, 128, (rows * per, KV_HEADS, BLOCK, HEAD_DIM),
+                                      generator=g, dtype=torch.int8) for _ in range(2))
+                  + tuple(torch.rand(rows * per, KV_HEADS, BLOCK, generator=g) / 64
+                          for _ in range(2)) for _ in range(layers)]
+    else:
+        caches = [tuple(torch.randn(rows * per, KV_HEADS, BLOCK, HEAD_DIM, generator=g)
+                        .to(cache_dtype) for _ in range(2)) for _ in range(layers)]
     return q, caches, ids.to(torch.int32).contiguous(), lens
 
 
@@ -48,8 +56,8 @@ def timed(ops, case, calls: int) -> float:
     q, caches, table, lens = case
     t0 = time.perf_counter()
     for _ in range(calls):
-        for k, v in caches:
-            ops.paged_attention(q, k, v, table, lens, None, HEAD_DIM**-0.5, 0)
+        for k, v, *scales in caches:
+            ops.paged_attention(q, k, v, table, lens, None, HEAD_DIM**-0.5, 0, *scales)
     return time.perf_counter() - t0
 
 
@@ -92,7 +100,9 @@ def main() -> None:
                     for c, t in best.items():
                         os.environ["KEEL_ATTN_BF16_DOT"] = c
                         best[c] = min(t, timed(ops, case, 1))
-                nbytes = 30 * int(case[3].sum()) * KV_HEADS * HEAD_DIM * 2 * case[1][0][0].element_size()
+                # K/V bytes a pass reads (an int8 cache's scales too: 4 bytes a row)
+                row = HEAD_DIM * case[1][0][0].element_size() + 4 * (cd == torch.int8)
+                nbytes = 30 * int(case[3].sum()) * KV_HEADS * 2 * row
                 for c, t in best.items():
                     label = {"0": ", decode_row16", "1": ", KEEL_ATTN_BF16_DOT=1", "": ""}[c]
                     print(f"  {name}, {order} blocks{label}: {t * 1e3:.1f} ms "

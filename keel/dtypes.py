@@ -22,7 +22,7 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 
 
 @functools.cache
@@ -95,15 +95,23 @@ def auto_kv_cache_dtype(dtype: str, compute: torch.dtype, device: torch.device, 
 
 def check_kv_cache_dtype(name: str) -> None:
     if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"Unknown kv_cache_dtype {name!r}: use auto, float32 or bfloat16.")
+        raise ValueError(f"Unknown kv_cache_dtype {name!r}: use auto, float32, bfloat16 or int8.")
 
 
 def kv_cache_dtype(name: str, compute: torch.dtype, auto: torch.dtype) -> torch.dtype:
     """The cache's torch dtype for `kv_cache_dtype=name` under compute dtype `compute`, with
     `auto` what "auto" resolves to for this model (auto_kv_cache_dtype). The cache may be the
-    compute dtype, or bfloat16 under float32: never wider than the arithmetic."""
+    compute dtype, or bfloat16 under float32: never wider than the arithmetic. "int8" (opt-in,
+    under float32 or bfloat16) keeps each K/V row as int8 with its own float32 scale (amax /
+    127): half a bfloat16 cache's bytes, a quarter of float32's, each value within half a
+    scale step (see torch_paged)."""
     if name == "auto":
         return auto
+    if name == "int8":
+        if compute not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"kv_cache_dtype='int8' under dtype {str(compute)[6:]}: it needs "
+                             "float32 or bfloat16 arithmetic; pass kv_cache_dtype='auto'.")
+        return torch.int8
     dt = DTYPES[name]
     if dt != compute and not (compute == torch.float32 and dt == torch.bfloat16):
         short = str(compute)[6:]

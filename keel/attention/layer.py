@@ -33,6 +33,8 @@ class Attention(nn.Module):
         self.prefix = prefix
         # [2, num_blocks, num_kv_heads, block_size, head_size]; set by bind_kv_cache.
         self.kv_cache: torch.Tensor | None = None
+        # An int8 cache's float32 scales, [2, num_blocks, num_kv_heads, block_size].
+        self.kv_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H * D], k/v: [T, Hkv * D] -> [T, H * D]."""
@@ -48,6 +50,7 @@ class Attention(nn.Module):
             meta,
             self.scale,
             self.sliding_window,
+            self.kv_scale,
         )
 
 
@@ -55,13 +58,15 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
-def bind_kv_cache(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+def bind_kv_cache(model: nn.Module, kv_caches: list[torch.Tensor],
+                  kv_scales: list[torch.Tensor] | None = None) -> None:
     """Give each attention layer (in model order) its own cache tensor."""
     layers = attention_layers(model)
     if len(layers) != len(kv_caches):
         raise ValueError(f"{len(layers)} attention layers but {len(kv_caches)} KV caches.")
-    for layer, cache in zip(layers, kv_caches):
+    for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
         layer.kv_cache = cache
+        layer.kv_scale = kv_scales[i] if kv_scales is not None else None
 
 
 def allocate_kv_caches(
@@ -69,12 +74,19 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One [2, num_blocks, Hkv, block_size, D] tensor per attention layer, bound to the model:
     head-major blocks, so one KV head's keys (or values) of a block are one contiguous run,
-    which the attention kernels read as one stream (see torch_paged)."""
+    which the attention kernels read as one stream (see torch_paged). An int8 cache
+    (kv_cache_dtype="int8") also gets each layer's float32 scales, one per row of K or V
+    ([2, num_blocks, Hkv, block_size]), bound to the layer beside its cache."""
+    layers = attention_layers(model)
     caches = [
         _zeros((2, num_blocks, layer.num_kv_heads, block_size, layer.head_size), dtype, device)
-        for layer in attention_layers(model)
+        for layer in layers
     ]
-    bind_kv_cache(model, caches)
+    scales = None
+    if dtype == torch.int8:
+        scales = [_zeros((2, num_blocks, layer.num_kv_heads, block_size), torch.float32, device)
+                  for layer in layers]
+    bind_kv_cache(model, caches, scales)
     return caches
 
 
@@ -94,8 +106,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
+    scale = 4 if dtype == torch.int8 else 0  # an int8 cache's float32 scale per row
     return sum(
-        2 * block_size * layer.num_kv_heads * layer.head_size * elem
+        2 * block_size * layer.num_kv_heads * (layer.head_size * elem + scale)
         for layer in attention_layers(model)
     )
 

@@ -51,7 +51,7 @@ void add_layer(DecodePlan& plan, at::Tensor input_norm, at::Tensor post_norm, do
                std::vector<PlanLinear> linears, std::optional<at::Tensor> q_norm,
                std::optional<at::Tensor> k_norm, at::Tensor cos, at::Tensor sin,
                at::Tensor kv_cache, int64_t heads, int64_t kv_heads, int64_t head_dim,
-               double scale, int64_t sliding_window) {
+               double scale, int64_t sliding_window, std::optional<at::Tensor> kv_scale) {
   TORCH_CHECK(linears.size() == 4, "DecodePlan.add_layer: qkv, o, gate_up, down expected");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "DecodePlan.add_layer: kv_cache must be a contiguous [2, blocks, bs, Hkv, D]");
@@ -59,13 +59,18 @@ void add_layer(DecodePlan& plan, at::Tensor input_norm, at::Tensor post_norm, do
                              linears[3], q_norm.value_or(at::Tensor()),
                              k_norm.value_or(at::Tensor()), cos.contiguous(), sin.contiguous(),
                              kv_cache[0], kv_cache[1], heads, kv_heads, head_dim,
-                             sliding_window, scale, eps});
+                             sliding_window, scale, eps,
+                             kv_scale ? (*kv_scale)[0] : at::Tensor(),
+                             kv_scale ? (*kv_scale)[1] : at::Tensor()});
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention, one query token per row");
+  m.def("paged_attention", &paged_attention, "paged attention, one query token per row",
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("rows"), py::arg("scale"), py::arg("sliding_window"),
+        py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
   m.def("prefill_attention", &prefill_attention, "causal attention of one long prompt chunk");
   m.def("prefill_attention_amx", &prefill_attention_amx,
         "causal attention of one long bfloat16 prompt chunk on AMX tiles");
@@ -82,7 +87,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm_available", &amx_gemm_available, "whether this build and CPU run amx_gemm");
   m.def("prefill_attention_amx_available", &prefill_attention_amx_available,
         "whether this build and CPU run prefill_attention_amx");
-  m.def("write_kv_cache", &write_kv_cache, "this pass's K/V rows into their cache slots");
+  m.def("write_kv_cache", &write_kv_cache, "this pass's K/V rows into their cache slots",
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("slot_mapping"), py::arg("key_scale") = py::none(),
+        py::arg("value_scale") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("fused_add_rms_norm_", &fused_add_rms_norm_, "residual += x; x = RMSNorm(residual)");
   m.def("rotary_neox_", &rotary_neox_, "rotate-half RoPE of q and k, in place");

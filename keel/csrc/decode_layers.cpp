@@ -141,12 +141,14 @@ std::tuple<at::Tensor, at::Tensor> DecodePlan::run(at::Tensor hidden,
               .view({rows, kv_size});
     }
     rotary_neox_(positions, q, k, L.cos, L.sin, L.head_dim);
+    std::optional<at::Tensor> ks, vs;  // an int8 cache's scales
+    if (L.key_scale.defined()) ks = L.key_scale, vs = L.value_scale;
     write_kv_cache(k.view({rows, L.kv_heads, L.head_dim}),
                    v.view({rows, L.kv_heads, L.head_dim}), L.key_cache, L.value_cache,
-                   slot_mapping);
+                   slot_mapping, ks, vs);
     at::Tensor attn = paged_attention(q.view({rows, L.heads, L.head_dim}), L.key_cache,
                                       L.value_cache, block_table, seq_lens, std::nullopt,
-                                      L.scale, L.sliding_window);
+                                      L.scale, L.sliding_window, ks, vs);
     x = L.o(attn.view({rows, q_size}));
     // post_attention_layernorm (residual += x; x = norm(residual)), then the MLP.
     fused_add_rms_norm_(x, residual, L.post_norm, L.eps);

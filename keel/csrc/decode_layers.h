@@ -53,6 +53,7 @@ struct DecodeLayer {
   at::Tensor key_cache, value_cache;  // [num_blocks, Hkv, block_size, D]
   int64_t heads, kv_heads, head_dim, sliding_window;  // sliding_window 0: none
   double scale, eps;
+  at::Tensor key_scale, value_scale;  // an int8 cache's [num_blocks, Hkv, block_size], else undefined
 };
 
 class DecodePlan {

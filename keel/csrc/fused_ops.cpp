@@ -392,16 +392,44 @@ at::Tensor argmax_rows(at::Tensor x) {
 // (rows may be strided) goes to slot slot_mapping[t] (block * block_size + offset) of
 // key_cache/value_cache [num_blocks, Hkv, block_size, D], one head at a time. One copy per row
 // and head, where index_copy_ paid ~35 us a call.
+namespace {
+
+// One row of D values -> int8 (round to nearest, ties to even) and its scale amax / 127, so
+// that q * scale is the row to within half a scale step; a row of zeros has scale 0.
+template <typename T>
+inline void quantize_row(const T* src, int64_t D, int8_t* dst, float* scale) {
+  v16 amax = {};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const v16 x = load16(src + d);
+    const v16 a = x < 0 ? -x : x;
+    amax = a > amax ? a : amax;
+  }
+  float m = 0.f;
+  for (int i = 0; i < 16; ++i) m = std::max(m, amax[i]);
+  for (; d < D; ++d) m = std::max(m, std::abs(static_cast<float>(src[d])));
+  *scale = m / 127.f;
+  const float inv = m > 0.f ? 127.f / m : 0.f;
+  for (d = 0; d < D; ++d) {  // NaN clamps to -127 (never an undefined conversion)
+    const float q = std::nearbyint(static_cast<float>(src[d]) * inv);
+    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+  }
+}
+
+}  // namespace
+
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
-                    at::Tensor value_cache, at::Tensor slot_mapping) {
+                    at::Tensor value_cache, at::Tensor slot_mapping,
+                    std::optional<at::Tensor> key_scale, std::optional<at::Tensor> value_scale) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4,
               "write_kv_cache: bad ranks");
+  const bool quant = key_cache.scalar_type() == at::kChar;  // an int8 cache with scales
   // The cache holds the rows' dtype, or bfloat16 for float32 rows (kv_cache_dtype), which
   // are rounded as torch's .to(torch.bfloat16) rounds them.
   const bool narrow = key.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK(value.scalar_type() == key.scalar_type() &&
                   value_cache.scalar_type() == key_cache.scalar_type() &&
-                  (key.scalar_type() == key_cache.scalar_type() || narrow),
+                  (key.scalar_type() == key_cache.scalar_type() || narrow || quant),
               "write_kv_cache: ", key.scalar_type(), " rows into a ", key_cache.scalar_type(),
               " cache (the cache is the rows' dtype, or bfloat16 for float32 rows)");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
@@ -420,6 +448,36 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv_cache: slot ", slots[t],
                 " outside the cache of ", num_slots, " slots");
+  TORCH_CHECK(quant == (key_scale.has_value() && value_scale.has_value()),
+              "write_kv_cache: key_scale and value_scale go with an int8 cache, and only there");
+  if (quant) {
+    const auto want = key_cache.sizes().slice(0, 3);
+    for (const at::Tensor* t : {&*key_scale, &*value_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == want,
+                  "write_kv_cache: scales must be contiguous float32 [blocks, kv_heads, "
+                  "block_size]");
+    int8_t* kc = key_cache.data_ptr<int8_t>();
+    int8_t* vc = value_cache.data_ptr<int8_t>();
+    float* ksc = key_scale->data_ptr<float>();
+    float* vsc = value_scale->data_ptr<float>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(),
+                                    "write_kv_cache", [&] {
+      const scalar_t* k = key.data_ptr<scalar_t>();
+      const scalar_t* v = value.data_ptr<scalar_t>();
+      const int64_t ks = key.stride(0), vs = value.stride(0);
+      at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t block = slots[t] / bs, off = slots[t] % bs;
+          for (int64_t h = 0; h < Hkv; ++h) {
+            const int64_t row = (block * Hkv + h) * bs + off;
+            quantize_row(k + t * ks + h * D, D, kc + row * D, ksc + row);
+            quantize_row(v + t * vs + h * D, D, vc + row * D, vsc + row);
+          }
+        }
+      });
+    });
+    return;
+  }
   if (narrow) {
     const float* k = key.data_ptr<float>();
     const float* v = value.data_ptr<float>();

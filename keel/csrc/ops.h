@@ -8,7 +8,9 @@
 
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_table, at::Tensor seq_lens,
-                           std::optional<at::Tensor> rows, double scale, int64_t sliding_window);
+                           std::optional<at::Tensor> rows, double scale, int64_t sliding_window,
+                           std::optional<at::Tensor> key_scale = std::nullopt,
+                           std::optional<at::Tensor> value_scale = std::nullopt);
 // Causal attention of one prompt chunk (query [L, H, D]) over its S >= L keys, into out.
 void prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor out,
                        double scale, int64_t sliding_window);
@@ -17,8 +19,12 @@ void prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::T
 void prefill_attention_amx(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor out,
                            double scale, int64_t sliding_window);
 bool prefill_attention_amx_available();
+// An int8 cache (key_cache int8) takes each row quantized, its float32 scale in key_scale /
+// value_scale ([blocks, kv_heads, block_size]).
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
-                    at::Tensor value_cache, at::Tensor slot_mapping);
+                    at::Tensor value_cache, at::Tensor slot_mapping,
+                    std::optional<at::Tensor> key_scale = std::nullopt,
+                    std::optional<at::Tensor> value_scale = std::nullopt);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rotary_neox_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,

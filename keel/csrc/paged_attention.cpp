@@ -532,6 +532,10 @@ inline void piece32(const T* p, __m512& a, __m512& b) {
   if constexpr (std::is_same_v<T, float>) {
     a = _mm512_loadu_ps(p);
     b = _mm512_loadu_ps(p + 16);
+  } else if constexpr (std::is_same_v<T, int8_t>) {  // in order, unscaled
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(w)));
+    b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(w, 1)));
   } else {
     const __m512i w = _mm512_loadu_si512(p);
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -612,14 +616,32 @@ inline void values_tile16(const float* p, int64_t p_stride, const T* const* vblk
     for (int c = 0; c < 2 * NP; ++c) _mm512_storeu_ps(acc + g * acc_stride + 16 * c, a[g][c]);
 }
 
+// s[g * ss + j] *= the scale of the chunk's key j (block j / bs, slot j % bs: scales[j / bs]
+// + j % bs) for keys [lo8, hi8) of GT heads, 8 at a time (bs % 8 == 0).
+inline void scale_by_block(float* s, int64_t ss, int64_t GT, const float* const* scales,
+                           int64_t bs, int64_t lo8, int64_t hi8) {
+  for (int64_t b0 = lo8 / bs * bs, i = lo8 / bs; b0 < hi8; b0 += bs, ++i) {
+    const int64_t j0 = std::max(lo8, b0), j1 = std::min(hi8, b0 + bs);
+    for (int64_t g = 0; g < GT; ++g)
+      for (int64_t j = j0; j < j1; j += 8) {
+        float* sj = s + g * ss + j;
+        _mm256_storeu_ps(sj, _mm256_mul_ps(_mm256_loadu_ps(sj),
+                                           _mm256_loadu_ps(scales[i] + (j - b0))));
+      }
+  }
+}
+
 // decode_row's chunks, online softmax and prefetch (the next item's first chunk too, as in
 // decode_row_bf16), in 16 lanes: scores 8 keys by up to 3 query heads at a time, values up to
 // 4 heads by 64 dims. Needs D % 32 == 0 and block_size % 8 == 0.
 template <typename TQ, typename T>
 void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row, int64_t bs,
                   int64_t block_elems, int64_t start, int64_t len, int64_t h0, int64_t h1,
-                  int64_t G, int64_t D, float scale, TQ* out, Scratch& w, const NextItem& nx) {
+                  int64_t G, int64_t D, float scale, TQ* out, Scratch& w, const NextItem& nx,
+                  const float* k_scale = nullptr, const float* v_scale = nullptr) {
   constexpr bool is_f32 = std::is_same_v<T, float>;
+  constexpr bool is_i8 = std::is_same_v<T, int8_t>;  // scales: k_scale, v_scale
+  constexpr bool natural = !std::is_same_v<T, c10::BFloat16>;  // lanes in dim order
   const int64_t nh = h1 - h0, nq = nh * G, run = bs * D;  // run: one head's keys of a block
   const int64_t cb = std::max<int64_t>(1, chunk_keys<T>() / bs), span = cb * bs;
   const int64_t ss = (span + 15) / 16 * 16;  // a head's scores in w.s
@@ -631,8 +653,8 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
   w.s.resize(G * ss);
   for (int64_t x = 0; x < nq * D; x += 32) {  // the query in lane order, scaled
     for (int i = 0; i < 16; ++i) {
-      w.q[x + i] = static_cast<float>(q[x + (is_f32 ? i : 2 * i)]) * scale;
-      w.q[x + 16 + i] = static_cast<float>(q[x + (is_f32 ? 16 + i : 2 * i + 1)]) * scale;
+      w.q[x + i] = static_cast<float>(q[x + (natural ? i : 2 * i)]) * scale;
+      w.q[x + 16 + i] = static_cast<float>(q[x + (natural ? 16 + i : 2 * i + 1)]) * scale;
     }
   }
   const int64_t b_end = (len + bs - 1) / bs;
@@ -647,6 +669,17 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
     const Chunk ch = chunk_at(b, cb, b_end, bs, start, len);
     const int64_t nb = ch.nb, next = ch.next, lo = ch.lo, hi = ch.hi;
     pf.aim_next(k_ptr, v_ptr, row, b, nb, next, nx, block_elems, run, h0, steps);
+    if constexpr (is_i8) {  // the next chunk's scales (a block's KV heads: nh * bs floats)
+      const bool other = next == 0 && nx.row != nullptr;
+      const int32_t* r2 = other ? nx.row + nx.b0 : row + b + nb;
+      const int64_t n2 = other ? nx.nb : next, hs = (other ? nx.h0 : h0) * bs;
+      for (int64_t i = 0; i < n2; ++i)
+        for (int64_t l = 0; l < nh * bs * 4; l += 64) {
+          const int64_t o = static_cast<int64_t>(r2[i]) * (block_elems / D) + hs;
+          __builtin_prefetch(reinterpret_cast<const char*>(k_scale + o) + l, 0, 3);
+          __builtin_prefetch(reinterpret_cast<const char*>(v_scale + o) + l, 0, 3);
+        }
+    }
     // Keys [lo, hi) of the chunk are visible; scores are computed 8 at a time over [lo8, hi8)
     // and the softmax goes 16 at a time over [lo16, hi16), the other keys' scores -inf.
     const int64_t lo8 = lo / 8 * 8, hi8 = (hi + 7) / 8 * 8;
@@ -665,6 +698,17 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
             default: scores_tile<1>(qg, D, kj, s + g * ss + j, ss);
           }
         }
+      }
+      // An int8 cache: each key's score times its scale, each value's weight (below) times
+      // its own; the keys outside [lo, hi), whose scales may be anything, are -inf.
+      const float* ksb[kChunkBlocks];
+      const float* vsb[kChunkBlocks];
+      if constexpr (is_i8) {
+        for (int64_t i = 0; i < nb; ++i) {
+          ksb[i] = k_scale + (kblk[i] - k_ptr) / D;
+          vsb[i] = v_scale + (vblk[i] - v_ptr) / D;
+        }
+        scale_by_block(s, ss, G, ksb, bs, lo8, hi8);
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = s + g * ss;
@@ -688,6 +732,8 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
           sum = _mm512_add_ps(sum, p);
         }
         w.l[x0 + g] = w.l[x0 + g] * alpha + _mm512_reduce_add_ps(sum);
+        // (past the sum; values_tile16 reads the weights of keys [lo, hi) only)
+        if constexpr (is_i8) scale_by_block(sg, ss, 1, vsb, bs, lo8, hi8);
         if (alpha != 1.f) {
           float* a = w.acc.data() + (x0 + g) * D;
           const __m512 al = _mm512_set1_ps(alpha);
@@ -716,7 +762,7 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
     for (int64_t d = 0; d < D; d += 32) {
       const float* a = w.acc.data() + x * D + d;
       __m512 y0 = _mm512_loadu_ps(a), y1 = _mm512_loadu_ps(a + 16);
-      if constexpr (!is_f32) {
+      if constexpr (!natural) {
         const __m512 e = y0;
         y0 = _mm512_permutex2var_ps(e, lo_dims, y1);
         y1 = _mm512_permutex2var_ps(e, hi_dims, y1);
@@ -891,7 +937,9 @@ template <typename TQ, typename T>
 void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_table,
                    const at::Tensor& seq_lens, const int32_t* rows, at::Tensor& out,
-                   double scale, int64_t sliding_window) {
+                   double scale, int64_t sliding_window, const float* k_scale = nullptr,
+                   const float* v_scale = nullptr) {
+  constexpr bool is_i8 = std::is_same_v<T, int8_t>;  // an int8 cache: k_scale, v_scale
   const int64_t R = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t Hkv = key_cache.size(1), bs = key_cache.size(2);
   const int64_t G = H / Hkv, max_blocks = block_table.size(1);
@@ -906,7 +954,8 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
 
   // Common shapes take decode_row; an item is one row with all its KV heads where there are
   // rows enough to share out (its K and V then stream as whole blocks), else (row, KV head).
-  const bool fast = D % 32 == 0 && bs % 8 == 0;  // any group size G
+  // An int8 cache takes decode_row16 (AVX-512) or the plain loop below.
+  const bool fast = D % 32 == 0 && bs % 8 == 0 && (!is_i8 || KEEL_ATTN512);  // any group size G
   const int64_t max_threads = std::min<int64_t>(at::get_num_threads(), R * Hkv);
   const int64_t hpi = fast && R >= 4 * max_threads ? Hkv : 1;  // KV heads per item
   const int64_t per_row = Hkv / hpi;
@@ -954,15 +1003,17 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
         }
 #endif
 #if KEEL_ATTN512
-        if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) &&
-                      (std::is_same_v<TQ, float> || std::is_same_v<TQ, T>)) {
+        if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || is_i8) &&
+                      (std::is_same_v<TQ, float> || std::is_same_v<TQ, T> || is_i8)) {
           const NextItem nx = next_item(item + 1, end);
           decode_row16<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs,
                               block_elems, start, len, hk, hk + hpi, G, D,
-                              static_cast<float>(scale), o_ptr + (r * H + hk * G) * D, w, nx);
+                              static_cast<float>(scale), o_ptr + (r * H + hk * G) * D, w, nx,
+                              k_scale, v_scale);
           continue;
         }
 #endif
+        if constexpr (!is_i8)  // (an int8 cache is never `fast` without AVX-512)
         decode_row<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
                       start, len, hk, hk + hpi, G, D, static_cast<float>(scale),
                       o_ptr + (r * H + hk * G) * D, w);
@@ -978,7 +1029,9 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       scores.assign(G * n, 0.f);
       for_each_slot(row, bs, D, block_elems, start, len, [&](int64_t j, int64_t off) {
         const T* k = k_head + off;
-        for (int64_t g = 0; g < G; ++g) scores[g * n + (j - start)] = dot(&qf[g * D], k, D);
+        const float ks = is_i8 ? k_scale[(k - k_ptr) / D] : 1.f;
+        for (int64_t g = 0; g < G; ++g)
+          scores[g * n + (j - start)] = dot(&qf[g * D], k, D) * ks;
       });
       // Softmax per query head (max subtracted for stability).
       for (int64_t g = 0; g < G; ++g) {
@@ -996,8 +1049,9 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_slot(row, bs, D, block_elems, start, len, [&](int64_t j, int64_t off) {
         const T* v = v_head + off;
+        const float vsc = is_i8 ? v_scale[(v - v_ptr) / D] : 1.f;
         for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + (j - start)];
+          const float p = scores[g * n + (j - start)] * vsc;
           float* a = &acc[g * D];
           int64_t d = 0;
           for (; d + 16 <= D; d += 16) {
@@ -1031,11 +1085,28 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_table, at::Tensor seq_lens,
                            std::optional<at::Tensor> rows, double scale,
-                           int64_t sliding_window) {
+                           int64_t sliding_window, std::optional<at::Tensor> key_scale,
+                           std::optional<at::Tensor> value_scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "paged_attention: bad ranks");
+  if (key_cache.scalar_type() == at::kChar) {
+    // An int8 cache: each (block, KV head, slot) row of K and V with its float32 scale.
+    TORCH_CHECK(key_scale.has_value() && value_scale.has_value(),
+                "paged_attention: an int8 KV cache needs key_scale and value_scale");
+    TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+                "paged_attention: an int8 KV cache under a float32 or bfloat16 query");
+    const auto want = key_cache.sizes().slice(0, 3);
+    for (const at::Tensor* t : {&*key_scale, &*value_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == want,
+                  "paged_attention: scales must be contiguous float32 [blocks, kv_heads, "
+                  "block_size]");
+  } else {
+    TORCH_CHECK(!key_scale.has_value() && !value_scale.has_value(),
+                "paged_attention: scales are for an int8 KV cache only");
+  }
   // The cache holds the query's dtype, or bfloat16 under a float32 query (kv_cache_dtype).
   const bool mixed = query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() || mixed,
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() || mixed ||
+                  key_cache.scalar_type() == at::kChar,
               "paged_attention: a ", key_cache.scalar_type(), " KV cache under a ",
               query.scalar_type(), " query (the cache is the query's dtype, or bfloat16 under "
               "float32)");
@@ -1060,6 +1131,17 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
   if (mixed) {
     decode_kernel<float, c10::BFloat16>(query, key_cache, value_cache, block_table, seq_lens,
                                         rows_ptr, out, scale, sliding_window);
+    return out;
+  }
+  if (key_cache.scalar_type() == at::kChar) {
+    const float* ks = key_scale->data_ptr<float>();
+    const float* vs = value_scale->data_ptr<float>();
+    if (query.scalar_type() == at::kFloat)
+      decode_kernel<float, int8_t>(query, key_cache, value_cache, block_table, seq_lens,
+                                   rows_ptr, out, scale, sliding_window, ks, vs);
+    else
+      decode_kernel<c10::BFloat16, int8_t>(query, key_cache, value_cache, block_table, seq_lens,
+                                           rows_ptr, out, scale, sliding_window, ks, vs);
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),

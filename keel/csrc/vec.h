@@ -35,13 +35,16 @@ template <int N> struct lanes;
 template <> struct lanes<16> {
   typedef uint16_t h __attribute__((vector_size(32)));
   typedef uint32_t u __attribute__((vector_size(64)));
+  typedef int8_t b __attribute__((vector_size(16)));
 };
 template <> struct lanes<8> {
   typedef uint16_t h __attribute__((vector_size(16)));
   typedef uint32_t u __attribute__((vector_size(32)));
+  typedef int8_t b __attribute__((vector_size(8)));
 };
 
-// Loads widen float / bfloat16 / half to float lanes; stores round back the way torch does.
+// Loads widen float / bfloat16 / half (and int8) to float lanes; stores round back the way
+// torch does.
 // V is v16 or v8 (N lanes).
 template <typename V, typename T>
 inline V loadv(const T* p) {
@@ -57,6 +60,10 @@ inline V loadv(const T* p) {
     std::memcpy(&h, p, sizeof(h));
     const U w = __builtin_convertvector(h, U) << 16;
     std::memcpy(&v, &w, sizeof(v));
+  } else if constexpr (std::is_same_v<T, int8_t>) {  // an int8 K/V cache's values, unscaled
+    typename lanes<N>::b b;
+    std::memcpy(&b, p, sizeof(b));
+    v = __builtin_convertvector(b, V);
   } else {
     for (int i = 0; i < N; ++i) v[i] = static_cast<float>(p[i]);
   }

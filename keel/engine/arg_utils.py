@@ -25,7 +25,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory_gib: float | None = None
-    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 (see CacheConfig.cache_dtype)
+    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | int8 (see CacheConfig.cache_dtype)
     num_gpu_blocks_override: int | None = None
     distributed_executor_backend: str | type | None = None
     seed: int = 0

@@ -35,7 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV cache budget on the CPU (default: a modest share of free memory)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                    help="the KV cache's dtype (auto: the compute dtype, except bfloat16 under "
                    "--dtype auto where a CPU computes a float32 model in float32)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

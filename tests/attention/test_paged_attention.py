@@ -11,7 +11,11 @@ import torch
 
 from keel import dtypes
 from keel.attention.backends import torch_paged
-from keel.attention.backends.torch_paged import build_attention_metadata, paged_attention
+from keel.attention.backends.torch_paged import (
+    build_attention_metadata,
+    paged_attention,
+    quantize_rows,
+)
 from keel.cpu_ops import get_cpu_ops
 
 
@@ -37,13 +41,16 @@ def dense_reference(q_seqs, k_seqs, v_seqs, q_lens, scale, window):
 def run_case(seq_lens, q_lens, heads, kv_heads, head_dim, dtype, window, block_size=4,
              fill=0.0, cache_dtype=None):
     """(output, reference). `cache_dtype`: the cache's dtype where it differs from the
-    queries' (bfloat16 under float32); the reference then sees the K/V as the cache keeps
-    them, rounded."""
+    queries' (bfloat16 under float32, or int8 with its scales); the reference then sees the
+    K/V as the cache keeps them, rounded (int8: quantized and scaled back)."""
     g = torch.Generator().manual_seed(0)
     num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 3
-    # Slots no request has written hold `fill` (a real cache's hold whatever was there).
-    cache = torch.full((2, num_blocks, kv_heads, block_size, head_dim), fill,
+    # Slots no request has written hold `fill` (a real cache's hold whatever was there; an
+    # int8 cache's unwritten rows hold 77 and their scales `fill`).
+    int8 = cache_dtype == torch.int8
+    cache = torch.full((2, num_blocks, kv_heads, block_size, head_dim), 77 if int8 else fill,
                        dtype=cache_dtype or dtype)
+    kv_scale = torch.full((2, num_blocks, kv_heads, block_size), fill) if int8 else None
     # Scatter the blocks (shuffled) so the block table matters.
     perm = torch.randperm(num_blocks, generator=g).tolist()
     max_blocks = max(math.ceil(s / block_size) for s in seq_lens)
@@ -62,6 +69,10 @@ def run_case(seq_lens, q_lens, heads, kv_heads, head_dim, dtype, window, block_s
             slot = blocks[p // block_size] * block_size + p % block_size
             if p < s - ql:  # context already in the cache
                 block, offset = divmod(slot, block_size)  # head-major blocks
+                if int8:
+                    (cache[0, block, :, offset], kv_scale[0, block, :, offset]) = quantize_rows(k[p])
+                    (cache[1, block, :, offset], kv_scale[1, block, :, offset]) = quantize_rows(v[p])
+                    continue
                 cache[0, block, :, offset] = k[p]
                 cache[1, block, :, offset] = v[p]
             else:  # written by this pass
@@ -73,9 +84,14 @@ def run_case(seq_lens, q_lens, heads, kv_heads, head_dim, dtype, window, block_s
                                     torch.tensor(slots), block_size)
     scale = head_dim**-0.5
     out = paged_attention(torch.cat(q_seqs), torch.stack(new_k), torch.stack(new_v), cache,
-                          meta, scale, window)
+                          meta, scale, window, kv_scale)
     assert out.dtype == dtype
-    if cache_dtype is not None:
+    if int8:  # what the cache keeps: each row quantized and scaled back, in float32
+        def kept(x):
+            q, s = quantize_rows(x)
+            return q.float() * s[..., None]
+        k_seqs, v_seqs = [kept(k) for k in k_seqs], [kept(v) for v in v_seqs]
+    elif cache_dtype is not None:
         k_seqs = [k.to(cache_dtype) for k in k_seqs]
         v_seqs = [v.to(cache_dtype) for v in v_seqs]
     ref = dense_reference(q_seqs, k_seqs, v_seqs, q_lens, scale, window)
@@ -410,3 +426,80 @@ def test_kernel_kv_write_matches_torch_and_checks_slots(monkeypatch):
     assert torch.equal(cache, want)
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.write_kv_cache(key[:5], value[:5], cache[0], cache[1], torch.tensor([0, 1, 2, 3, 48]))
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
+                         [(9, 3, 64, 16), (16, 1, 32, 8), (4, 1, 128, 16), (8, 2, 40, 4)])
+def test_an_int8_cache(monkeypatch, use_kernel, dtype, tol, window, heads, kv_heads, head_dim,
+                       block_size):
+    """kv_cache_dtype="int8": each row of K and V is kept as int8 with its float32 scale, and
+    attention over it is attention over the rows scaled back (the kernel's 16-lane path for
+    head sizes of 32, 64, 128 with blocks of 8 or 16 where the CPU has AVX-512, its plain
+    loop elsewhere; the torch path), for decode rows and short chunks. The kernel never reads
+    an unwritten row's scale (NaN here)."""
+    use_kernel_or_torch(monkeypatch, use_kernel)
+    fill = float("nan") if use_kernel else 3.0  # (the torch path multiplies masked rows by 0)
+    seq_lens = [1, 13, 40, 64, 5, 150, 97]
+    out, ref = run_case(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim, dtype, window,
+                        block_size, fill=fill, cache_dtype=torch.int8)
+    assert not out.isnan().any()
+    assert (out - ref).abs().max().item() < tol
+    out, ref = run_case([9, 17, 4, 30], [9, 6, 1, 1], heads, kv_heads, head_dim, dtype, window,
+                        block_size, fill=fill, cache_dtype=torch.int8)
+    assert (out - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("prefill_kernel", [True, False])
+def test_long_chunks_over_an_int8_cache(monkeypatch, prefill_kernel):
+    """A long chunk after context reads its context from the int8 cache, scaled back to its
+    queries' dtype; a whole long prompt attends to its own K/V, which differ from the kept ones
+    by their quantization."""
+    monkeypatch.setattr(torch_paged, "CPU_KERNEL_MAX_QUERY_LEN", 8)
+    monkeypatch.setattr(torch_paged, "_PREFILL_KERNEL", prefill_kernel)
+    out, ref = run_case([9, 17, 4, 30, 30], [9, 6, 1, 1, 12], 9, 3, 64, torch.float32, None,
+                        16, cache_dtype=torch.int8)
+    assert (out - ref).abs().max().item() < 5e-2
+    assert (out[-12:] - ref[-12:]).abs().max().item() < 1e-5  # the chunk after context
+
+
+def test_int8_rows_and_their_scales():
+    """keel's compiled write quantizes each row as quantize_rows does (the same bits: int8 to
+    nearest, ties to even, scale amax / 127, 0 for a row of zeros), from float32 or bfloat16
+    rows, each value within half a scale step; the op refuses an int8 cache without scales
+    and scales with another cache."""
+    ops = get_cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.zeros(2, 6, 3, 4, 64, dtype=torch.int8)
+        scales = torch.zeros(2, 6, 3, 4)
+        kv = (torch.randn(10, 2 * 3 * 64, generator=g) * 3).to(dtype)
+        kv[2, :64] = 0.0  # a zero row
+        kv[4, 5] = 1e4  # one large value: the rest of its row rounds to few steps
+        key, value = kv[:, :192].view(10, 3, 64), kv[:, 192:].view(10, 3, 64)
+        slots = torch.randperm(24, generator=g)[:10]
+        want, want_s = cache.clone(), scales.clone()
+        for t, slot in enumerate(slots.tolist()):
+            for i, rows in enumerate((key, value)):
+                q, s = quantize_rows(rows[t])
+                want[i, slot // 4, :, slot % 4], want_s[i, slot // 4, :, slot % 4] = q, s
+        ops.write_kv_cache(key, value, cache[0], cache[1], slots, scales[0], scales[1])
+        assert torch.equal(cache, want) and torch.equal(scales, want_s)
+        back = cache.float() * scales[..., None]
+        for t, slot in enumerate(slots.tolist()):
+            err = (back[0, slot // 4, :, slot % 4] - key[t].float()).abs()
+            assert (err <= scales[0, slot // 4, :, slot % 4, None] / 2 + 1e-6).all()
+        assert scales[0, slots[2] // 4, 0, slots[2] % 4] == 0
+    with pytest.raises(RuntimeError, match="key_scale and value_scale go with an int8 cache"):
+        ops.write_kv_cache(key, value, cache[0], cache[1], slots)
+    with pytest.raises(RuntimeError, match="an int8 KV cache needs key_scale and value_scale"):
+        ops.paged_attention(torch.randn(2, 9, 64), cache[0], cache[1],
+                            torch.zeros(2, 2, dtype=torch.int32), torch.tensor([3, 4]), None,
+                            0.125, 0)
+    with pytest.raises(RuntimeError, match="scales are for an int8 KV cache only"):
+        ops.paged_attention(torch.randn(2, 9, 64), cache[0].float(), cache[1].float(),
+                            torch.zeros(2, 2, dtype=torch.int32), torch.tensor([3, 4]), None,
+                            0.125, 0, scales[0], scales[1])

@@ -93,6 +93,20 @@ def test_fused_decode_over_a_bfloat16_cache_is_bit_identical(arch, hf_model_dir,
     assert lp_f32 != lp_on
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_over_an_int8_cache_is_bit_identical(dtype, hf_model_dir, monkeypatch):
+    """kv_cache_dtype="int8": the fused pass quantizes this pass's K/V into the cache and reads
+    them back with their scales as the Python layers do."""
+    folder = hf_model_dir("qwen3")
+    tok_on, lp_on, on = generate(folder, None, True, monkeypatch, dtype=dtype,
+                                 kv_cache_dtype="int8")
+    tok_off, lp_off, off = generate(folder, None, False, monkeypatch, dtype=dtype,
+                                    kv_cache_dtype="int8")
+    assert on["fused"] >= 39 and off["fused"] == 0
+    assert tok_on == tok_off
+    assert lp_on == lp_off
+
+
 def test_not_taken_where_it_does_not_apply(hf_model_dir, monkeypatch):
     """Prompt passes run the Python layers."""
     _, _, calls = generate(hf_model_dir("qwen3"), None, True, monkeypatch)

@@ -160,11 +160,51 @@ def build_attention_metadata(
     )
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] rows -> (int8 rows, float32 scales [...]): each row scaled by 127 / amax and
+    rounded to nearest (ties to even), its scale amax / 127, so q * scale is the row to within
+    half a scale step; a row of zeros has scale 0. keel's compiled write computes the same
+    bits."""
+    x = x.float()
+    amax = x.abs().amax(-1)
+    # 127 / amax divided as the C++ divides (a Python scalar over a tensor is amax's
+    # reciprocal times 127 in torch, which rounds differently)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, amax / 127.0
+
+
+def cache_rows(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, i: int,
+               blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K (i = 0) or V (1) of the given blocks, [blocks, Hkv, block_size, D], widened to
+    `dtype`; an int8 cache's rows times their scales (in float32, then rounded to `dtype`)."""
+    rows = kv_cache[i].index_select(0, blocks)
+    if kv_scale is None:
+        return rows.to(dtype)
+    return (rows.float() * kv_scale[i].index_select(0, blocks)[..., None]).to(dtype)
+
+
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """key/value: [num_tokens, num_kv_heads, head_dim] -> their slots in the cache."""
+    """key/value: [num_tokens, num_kv_heads, head_dim] -> their slots in the cache (an int8
+    cache: quantized, their scales into kv_scale)."""
     ops = get_cpu_ops() if kv_cache.device.type == "cpu" else None
+    if kv_cache.dtype == torch.int8:
+        if kv_scale is None:
+            raise ValueError("an int8 KV cache needs its scales (kv_scale)")
+        if ops is not None:
+            ops.write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping,
+                               kv_scale[0], kv_scale[1])
+            return
+        block_size = kv_cache.shape[3]
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        for i, rows in enumerate((key, value)):
+            q, s = quantize_rows(rows)
+            kv_cache[i].transpose(1, 2)[blocks, offsets] = q
+            kv_scale[i].transpose(1, 2)[blocks, offsets] = s
+        return
     # keel's copy takes rows of the cache's dtype, or float32 rows into a bfloat16 cache.
     if ops is not None and key.dtype == value.dtype and (
             key.dtype == kv_cache.dtype
@@ -185,11 +225,14 @@ def paged_attention(
     meta: PagedAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query: [T, H, D]; key/value: [T, Hkv, D] (this pass's tokens). Returns [T, H * D]."""
+    """query: [T, H, D]; key/value: [T, Hkv, D] (this pass's tokens). Returns [T, H * D].
+    An int8 cache comes with its scales, kv_scale [2, num_blocks, Hkv, block_size]."""
     n = meta.num_actual_tokens
     query, key, value = query[:n], key[:n], value[:n]
-    write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+    write_kv_cache(key, value, kv_cache, meta.slot_mapping, kv_scale)
+    scales = () if kv_scale is None else (kv_scale[0], kv_scale[1])
 
     _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
     num_heads = query.shape[1]
@@ -200,21 +243,22 @@ def paged_attention(
         out = ops.paged_attention(
             query, kv_cache[0], kv_cache[1], meta.block_table,
             meta.seq_lens if decode else meta.token_seq_lens,
-            None if decode else meta.token_rows, scale, sliding_window or 0,
+            None if decode else meta.token_rows, scale, sliding_window or 0, *scales,
         )
         return out.view(n, num_heads * head_dim)
     if ops is not None:
-        return _split_attention(ops, query, key, value, kv_cache, meta, scale, sliding_window)
+        return _split_attention(ops, query, key, value, kv_cache, meta, scale, sliding_window,
+                                kv_scale)
     r, s, q_len = meta.num_reqs, meta.kv_len, meta.max_query_len
     blocks = meta.kv_blocks.view(-1)
     # [R * NB, Hkv, block_size, D] -> [R, Hkv, NB, block_size, D] -> [R, Hkv, S, D]
     shape = (r, s // block_size, num_kv_heads, block_size, head_dim)
-    k = kv_cache[0].index_select(0, blocks).view(shape).transpose(1, 2)
-    v = kv_cache[1].index_select(0, blocks).view(shape).transpose(1, 2)
     # A cache narrower than the query (kv_cache_dtype) is widened: the arithmetic stays in
     # the query's dtype, as in keel's CPU kernels.
-    k = k.reshape(r, num_kv_heads, s, head_dim).to(query.dtype)
-    v = v.reshape(r, num_kv_heads, s, head_dim).to(query.dtype)
+    k = cache_rows(kv_cache, kv_scale, 0, blocks, query.dtype).view(shape).transpose(1, 2)
+    v = cache_rows(kv_cache, kv_scale, 1, blocks, query.dtype).view(shape).transpose(1, 2)
+    k = k.reshape(r, num_kv_heads, s, head_dim)
+    v = v.reshape(r, num_kv_heads, s, head_dim)
 
     if meta.query_rows is None:  # pure decode: one query per request, already in row order
         q = query.view(r, 1, num_heads, head_dim)
@@ -275,7 +319,8 @@ def long_chunk_kernel(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int
 
 
 def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetadata,
-                     scale: float, sliding_window: int | None) -> torch.Tensor:
+                     scale: float, sliding_window: int | None,
+                     kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """CPU, a pass with long prompt chunks: the kernel for every other request's tokens, and
     SDPA for each long chunk alone over its own keys (no padding to the longest)."""
     n, num_heads, head_dim = query.shape
@@ -285,7 +330,7 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
         rows = ops.paged_attention(
             query.index_select(0, idx), kv_cache[0], kv_cache[1], meta.block_table,
             meta.token_seq_lens.index_select(0, idx), meta.token_rows.index_select(0, idx),
-            scale, sliding_window or 0,
+            scale, sliding_window or 0, *(() if kv_scale is None else (kv_scale[0], kv_scale[1])),
         )
         out.index_copy_(0, idx, rows.view(len(idx), -1))
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
@@ -306,11 +351,11 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
         else:
             blocks = meta.block_table[req, : -(-seq_len // block_size)].to(torch.int64)
             # [blocks, Hkv, block_size, D] -> [blocks * block_size, Hkv, D]
-            k = kv_cache[0].index_select(0, blocks).transpose(1, 2)
-            v = kv_cache[1].index_select(0, blocks).transpose(1, 2)
             # Widened where the cache is narrower than the query (kv_cache_dtype).
-            k = k.reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
-            v = v.reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
+            k = cache_rows(kv_cache, kv_scale, 0, blocks, query.dtype).transpose(1, 2)
+            v = cache_rows(kv_cache, kv_scale, 1, blocks, query.dtype).transpose(1, 2)
+            k = k.reshape(-1, num_kv_heads, head_dim)[:seq_len]
+            v = v.reshape(-1, num_kv_heads, head_dim)[:seq_len]
         if kernel is not None:  # ~2x SDPA's speed at 600 tokens (BENCHMARKS.md)
             kernel(query[start : start + q_len], k, v, out[start : start + q_len], scale,
                    sliding_window or 0)

@@ -120,7 +120,8 @@ class FusedDecode:
                 attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             cache = attn.attn.kv_cache
             if (any(lin is None for lin in linears) or not mlp.is_silu or cache is None
-                    or cache.dtype not in (dtype, torch.bfloat16) or not cache.is_contiguous()
+                    or cache.dtype not in (dtype, torch.bfloat16, torch.int8)
+                    or not cache.is_contiguous()
                     or layer.input_layernorm.weight.dtype != dtype):
                 return False
             cos, sin = attn.rotary_emb._cos_sin_in(dtype)
@@ -130,7 +131,7 @@ class FusedDecode:
                 None if attn.q_norm is None else attn.q_norm.weight,
                 None if attn.k_norm is None else attn.k_norm.weight,
                 cos, sin, cache, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                attn.attn.scale, attn.attn.sliding_window or 0)
+                attn.attn.scale, attn.attn.sliding_window or 0, attn.attn.kv_scale)
         self._cache, self._dtype = layers[0].self_attn.attn.kv_cache, dtype
         logger.info("Decode passes run the %d decoder layers in one C++ call "
                     "(keel/csrc/decode_layers.cpp).", plan.num_layers)

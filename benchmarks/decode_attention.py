@@ -10,6 +10,8 @@ query heads over 3 KV heads of 64 dims, blocks of 16), in two settings.
 Each case runs once per bfloat16 kernel choice where it applies (`KEEL_ATTN_BF16_DOT=0|1`:
 `decode_row16` or the bfloat16 dot-product kernel; the same kernel where the CPU lacks
 AVX512-BF16), alternated, best of `--repeats` passes (BENCHMARKS.md, thirty-fourth round).
+The caches are float32, bfloat16, or int8 rows with a float32 scale each
+(`kv_cache_dtype="int8"`, thirty-fifth round).
 
     .venv/bin/python benchmarks/decode_attention.py [--cases l2 memory] [--short]
 """

@@ -86,7 +86,8 @@ def kv_cache_gib(dtype: str) -> float:
     """keel's K/V space for the long workload in `dtype` (see load_keel)."""
     from keel import dtypes
 
-    bf16 = dtype in ("bfloat16", "gguf-bf16") or (dtype == "auto" and dtypes.cpu_has_amx_bfloat16())
+    bf16 = dtype in ("bfloat16", "gguf-bf16", "auto-kv8") or (
+        dtype == "auto" and dtypes.cpu_has_amx_bfloat16())
     return 1.5 if bf16 else 3.0
 
 
@@ -101,6 +102,8 @@ def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
     t0 = time.perf_counter()
     if args.dtype == "w8a8":  # opt-in int8 weights and activations, over the float32 model
         llm = LLM(model=args.folder, dtype="float32", quantization="w8a8", **kw)
+    elif args.dtype == "auto-kv8":  # dtype="auto" with the opt-in int8 K/V cache
+        llm = LLM(model=args.folder, dtype="auto", kv_cache_dtype="int8", **kw)
     elif args.dtype == "gguf-bf16":  # the .gguf the folder was converted from, in bfloat16
         source = json.loads((Path(args.folder) / "keel_gguf" / "source.json").read_text())
         llm = LLM(model=source["path"], dtype="bfloat16", **kw)
@@ -181,8 +184,10 @@ def memory_floor(model, prompts: list[list[int]], dtype, read_gbs: float, kv_dty
                        else n_out * n_in * torch.empty(0, dtype=dtype).element_size())
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_token = (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim
-                 * torch.empty(0, dtype=kv_dtype or dtype).element_size())
+    # (an int8 cache's rows have a float32 scale each)
+    per_token = (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads
+                 * (head_dim * torch.empty(0, dtype=kv_dtype or dtype).element_size()
+                    + 4 * (kv_dtype == torch.int8)))
     kv = sum(len(p) + 8 for p in prompts) * per_token
     return {"weight_mb": weight / 1e6, "kv_mb": kv / 1e6, "read_gbs": read_gbs,
             "memory_floor_ms": (weight + kv) / read_gbs / 1e6}
@@ -417,6 +422,10 @@ def main() -> None:
                          "instead of every engine resident, the workloads alternating")
     ap.add_argument("--keel-w8a8", action="store_true",
                     help="also run keel with quantization='w8a8' (opt-in, lossy)")
+    ap.add_argument("--keel-int8-kv", action="store_true",
+                    help="also run keel's dtype='auto' with kv_cache_dtype='int8' (opt-in, lossy: "
+                         "each K/V row int8 with its scale) and count its greedy sequences "
+                         "identical to keel auto's")
     ap.add_argument("--keel-gguf", action="store_true",
                     help="also run keel in bfloat16 on the .gguf file the model folder was "
                          "converted from (the same values; its int4 / Q8_0 blocks kept)")
@@ -472,6 +481,8 @@ def report(args) -> None:
         runs.insert(0, ("keel", "auto"))
         if args.keel_w8a8:
             runs.insert(1, ("keel", "w8a8"))
+        if args.keel_int8_kv:
+            runs.insert(1, ("keel", "auto-kv8"))
         if args.keel_gguf:
             runs.insert(1, ("keel", "gguf-bf16"))
     best: dict[tuple[str, str], dict] = {}  # each engine's best of the rounds
@@ -501,7 +512,8 @@ def report(args) -> None:
         print(f"  round {rep + 1}: {key[0]:5s} {key[1]:9s} {what:5s} {res['tok_s']:7.1f} tok/s "
               f"({res['seconds']:.1f} s)", flush=True)
         rounds[rep].setdefault("/".join(key), {})[what] = res["tok_s"]
-        if key in (("keel", "float32"), ("hf", "float32")):  # for the identity check
+        if key in (("keel", "float32"), ("hf", "float32"), ("keel", "auto"),
+                   ("keel", "auto-kv8")):  # for the identity checks
             same_round.setdefault((rep, what), {})[key] = res["tokens"]
         if what not in best[key] or res["tok_s"] > best[key][what]["tok_s"]:
             best[key][what] = res
@@ -555,7 +567,7 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
         print(f"\n{w} prompts {WORKLOADS[w][0]}-{WORKLOADS[w][1]} tokens (output tokens/s):")
         for engine, dtype in sorted(best):
             print(f"  {engine:5s} {dtype:9s} {tok(engine, dtype, w):8.1f}")
-        for mode in ("auto", "w8a8"):
+        for mode in ("auto", "w8a8", "auto-kv8"):
             mine = tok("keel", mode, w)
             for peer in ("vllm", "hf"):
                 peer_best = max((tok(peer, d, w) or 0, d) for d in args.dtypes + ["float32"])
@@ -580,12 +592,24 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
         counts = []
         for rep in range(len(rounds)):
             both = same_round.get((rep, w), {})
-            if len(both) == 2:
+            if ("keel", "float32") in both and ("hf", "float32") in both:
                 mine, ref = both[("keel", "float32")], both[("hf", "float32")]
                 counts.append(f"{sum(a == b for a, b in zip(mine, ref))}/{len(ref)}")
         if counts:
             print(f"float32 greedy sequences identical to transformers ({w}), round by round: "
                   + ", ".join(counts))
+        kv8 = []  # keel auto with the int8 K/V cache against keel auto
+        for rep in range(len(rounds)):
+            both = same_round.get((rep, w), {})
+            if ("keel", "auto-kv8") in both and ("keel", "auto") in both:
+                mine, ref = both[("keel", "auto-kv8")], both[("keel", "auto")]
+                prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
+                          for x, y in zip(mine, ref)]
+                kv8.append(f"{sum(a == b for a, b in zip(mine, ref))}/{len(ref)} identical, "
+                           f"first difference at token {statistics.median(prefix):.0f} (median)")
+        if kv8:
+            print(f"keel auto-kv8 greedy sequences against keel auto ({w}), round by round: "
+                  + "; ".join(kv8))
     for (engine, dtype), r in sorted(best.items()):
         if "decode" in r:
             d = r["decode"]

@@ -1013,10 +1013,11 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
           continue;
         }
 #endif
-        if constexpr (!is_i8)  // (an int8 cache is never `fast` without AVX-512)
-        decode_row<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
-                      start, len, hk, hk + hpi, G, D, static_cast<float>(scale),
-                      o_ptr + (r * H + hk * G) * D, w);
+        if constexpr (!is_i8) {  // (an int8 cache is never `fast` without AVX-512)
+          decode_row<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs,
+                            block_elems, start, len, hk, hk + hpi, G, D,
+                            static_cast<float>(scale), o_ptr + (r * H + hk * G) * D, w);
+        }
         continue;
       }
       const T* k_head = k_ptr + hk * bs * D;  // this KV head's run in block 0

@@ -4,7 +4,6 @@ runner (`bind_kv_cache`)."""
 
 from __future__ import annotations
 
-import logging
 import math
 import mmap
 
@@ -13,8 +12,6 @@ from torch import nn
 
 from keel.attention.backends.torch_paged import paged_attention
 from keel.attention.forward_context import get_forward_context
-
-logger = logging.getLogger(__name__)
 
 
 class Attention(nn.Module):
@@ -87,10 +84,6 @@ def allocate_kv_caches(
     ]
     scales = None
     if dtype == torch.int8:
-        if device.type == "cpu" and "AVX512" not in torch.backends.cpu.get_cpu_capability():
-            logger.warning("kv_cache_dtype='int8' on a CPU without AVX-512: keel's attention "
-                           "reads the int8 cache in its plain loop, slower than its bfloat16 "
-                           "kernel; the cache still holds ~2x a bfloat16 one's tokens.")
         scales = [_zeros((2, num_blocks, layer.num_kv_heads, block_size), torch.float32, device)
                   for layer in layers]
     bind_kv_cache(model, caches, scales)

@@ -125,6 +125,31 @@ inline Chunk chunk_at(int64_t b, int64_t cb, int64_t b_end, int64_t bs, int64_t 
           std::min(len, (b + nb) * bs) - b * bs};
 }
 
+// An int8 cache (kv_cache_dtype="int8"): s[g * ss + j] *= the scale of the chunk's key j
+// (block j / bs, slot j % bs: scales[j / bs] + j % bs) for keys [lo8, hi8) of GT heads, 8 at
+// a time (bs % 8 == 0). A score times its key's scale; a weight times its value's.
+inline void scale_by_block(float* s, int64_t ss, int64_t GT, const float* const* scales,
+                           int64_t bs, int64_t lo8, int64_t hi8) {
+  for (int64_t b0 = lo8 / bs * bs, i = lo8 / bs; b0 < hi8; b0 += bs, ++i) {
+    const int64_t j0 = std::max(lo8, b0), j1 = std::min(hi8, b0 + bs);
+    for (int64_t g = 0; g < GT; ++g)
+      for (int64_t j = j0; j < j1; j += 8)
+        store8(s + g * ss + j, load8(s + g * ss + j) * load8(scales[i] + (j - b0)));
+  }
+}
+
+// The scales of blocks row[0 .. n) from KV head h0 (nh heads of bs rows each) into L1: an int8
+// cache's next chunk, beside its rows.
+inline void prefetch_scales(const float* k_scale, const float* v_scale, const int32_t* row,
+                            int64_t n, int64_t block_rows, int64_t h0, int64_t nh, int64_t bs) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t l = 0; l < nh * bs * 4; l += 64) {
+      const int64_t o = static_cast<int64_t>(row[i]) * block_rows + h0 * bs;
+      __builtin_prefetch(reinterpret_cast<const char*>(k_scale + o) + l, 0, 3);
+      __builtin_prefetch(reinterpret_cast<const char*>(v_scale + o) + l, 0, 3);
+    }
+}
+
 struct NextItem {  // the thread's next item: its first chunk is prefetched during this one's last
   const int32_t* row = nullptr;
   int64_t b0 = 0, nb = 0, h0 = 0;  // first block, blocks of the first chunk, first KV head
@@ -616,21 +641,6 @@ inline void values_tile16(const float* p, int64_t p_stride, const T* const* vblk
     for (int c = 0; c < 2 * NP; ++c) _mm512_storeu_ps(acc + g * acc_stride + 16 * c, a[g][c]);
 }
 
-// s[g * ss + j] *= the scale of the chunk's key j (block j / bs, slot j % bs: scales[j / bs]
-// + j % bs) for keys [lo8, hi8) of GT heads, 8 at a time (bs % 8 == 0).
-inline void scale_by_block(float* s, int64_t ss, int64_t GT, const float* const* scales,
-                           int64_t bs, int64_t lo8, int64_t hi8) {
-  for (int64_t b0 = lo8 / bs * bs, i = lo8 / bs; b0 < hi8; b0 += bs, ++i) {
-    const int64_t j0 = std::max(lo8, b0), j1 = std::min(hi8, b0 + bs);
-    for (int64_t g = 0; g < GT; ++g)
-      for (int64_t j = j0; j < j1; j += 8) {
-        float* sj = s + g * ss + j;
-        _mm256_storeu_ps(sj, _mm256_mul_ps(_mm256_loadu_ps(sj),
-                                           _mm256_loadu_ps(scales[i] + (j - b0))));
-      }
-  }
-}
-
 // decode_row's chunks, online softmax and prefetch (the next item's first chunk too, as in
 // decode_row_bf16), in 16 lanes: scores 8 keys by up to 3 query heads at a time, values up to
 // 4 heads by 64 dims. Needs D % 32 == 0 and block_size % 8 == 0.
@@ -669,16 +679,11 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
     const Chunk ch = chunk_at(b, cb, b_end, bs, start, len);
     const int64_t nb = ch.nb, next = ch.next, lo = ch.lo, hi = ch.hi;
     pf.aim_next(k_ptr, v_ptr, row, b, nb, next, nx, block_elems, run, h0, steps);
-    if constexpr (is_i8) {  // the next chunk's scales (a block's KV heads: nh * bs floats)
-      const bool other = next == 0 && nx.row != nullptr;
-      const int32_t* r2 = other ? nx.row + nx.b0 : row + b + nb;
-      const int64_t n2 = other ? nx.nb : next, hs = (other ? nx.h0 : h0) * bs;
-      for (int64_t i = 0; i < n2; ++i)
-        for (int64_t l = 0; l < nh * bs * 4; l += 64) {
-          const int64_t o = static_cast<int64_t>(r2[i]) * (block_elems / D) + hs;
-          __builtin_prefetch(reinterpret_cast<const char*>(k_scale + o) + l, 0, 3);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_scale + o) + l, 0, 3);
-        }
+    if constexpr (is_i8) {  // the next chunk's scales
+      if (next == 0 && nx.row != nullptr)
+        prefetch_scales(k_scale, v_scale, nx.row + nx.b0, nx.nb, block_elems / D, nx.h0, nh, bs);
+      else
+        prefetch_scales(k_scale, v_scale, row + b + nb, next, block_elems / D, h0, nh, bs);
     }
     // Keys [lo, hi) of the chunk are visible; scores are computed 8 at a time over [lo8, hi8)
     // and the softmax goes 16 at a time over [lo16, hi16), the other keys' scores -inf.
@@ -831,7 +836,9 @@ bool bf16_dot_chosen() {
 template <typename TQ, typename T>
 void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row, int64_t bs,
                 int64_t block_elems, int64_t start, int64_t len, int64_t h0, int64_t h1,
-                int64_t G, int64_t D, float scale, TQ* out, Scratch& w) {
+                int64_t G, int64_t D, float scale, TQ* out, Scratch& w,
+                const float* k_scale = nullptr, const float* v_scale = nullptr) {
+  constexpr bool is_i8 = std::is_same_v<T, int8_t>;  // scales: k_scale, v_scale
   const int64_t nh = h1 - h0, nq = nh * G, run = bs * D;  // run: one head's keys of a block
   const int64_t cb = std::max<int64_t>(1, chunk_keys<T>() / bs), span = cb * bs;
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -862,10 +869,19 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
     const Chunk ch = chunk_at(b, cb, b_end, bs, start, len);
     const int64_t nb = ch.nb, next = ch.next, lo = ch.lo, hi = ch.hi;
     pf.aim(k_ptr, v_ptr, row, b + nb, next, block_elems, h0 * run, steps);
+    if constexpr (is_i8)
+      prefetch_scales(k_scale, v_scale, row + b + nb, next, block_elems / D, h0, h1 - h0, bs);
     // Keys [lo, hi) of the chunk are visible; scores are computed 8 at a time over [lo8, hi8).
     const int64_t lo8 = lo / 8 * 8, hi8 = (hi + 7) / 8 * 8;
     for (int64_t h = h0; h < h1; ++h) {
       head_runs(k_ptr, v_ptr, row + b, nb, block_elems, h * run, kblk, vblk);
+      const float* ksb[kChunkBlocks];  // an int8 cache's scales of the chunk's blocks
+      const float* vsb[kChunkBlocks];
+      if constexpr (is_i8)
+        for (int64_t i = 0; i < nb; ++i) {
+          ksb[i] = k_scale + (kblk[i] - k_ptr) / D;
+          vsb[i] = v_scale + (vblk[i] - v_ptr) / D;
+        }
       const int64_t x0 = (h - h0) * G;
       for (int64_t g = 0; g < G; ++g) {
         float* sg = s + g * span;
@@ -881,6 +897,7 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
 #endif
           store8(sg + j, scores8(qg, kj, D));
         }
+        if constexpr (is_i8) scale_by_block(sg, span, 1, ksb, bs, lo8, hi8);
         for (int64_t j = lo8; j < lo; ++j) sg[j] = ninf;
         for (int64_t j = hi; j < hi8; ++j) sg[j] = ninf;
         // Online softmax: the running maximum m, sum l, and the accumulator rescaled when
@@ -904,6 +921,8 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
           sum += p;
         }
         w.l[x0 + g] = w.l[x0 + g] * alpha + keel::hsum8(sum);
+        // (past the sum; values_tile reads the weights of keys [lo, hi) only)
+        if constexpr (is_i8) scale_by_block(sg, span, 1, vsb, bs, lo8, hi8);
         if (alpha != 1.f) {
           float* a = w.acc.data() + (x0 + g) * D;
           for (int64_t d = 0; d < D; d += 8) store8(a + d, load8(a + d) * alpha);
@@ -954,8 +973,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
 
   // Common shapes take decode_row; an item is one row with all its KV heads where there are
   // rows enough to share out (its K and V then stream as whole blocks), else (row, KV head).
-  // An int8 cache takes decode_row16 (AVX-512) or the plain loop below.
-  const bool fast = D % 32 == 0 && bs % 8 == 0 && (!is_i8 || KEEL_ATTN512);  // any group size G
+  const bool fast = D % 32 == 0 && bs % 8 == 0;  // any group size G
   const int64_t max_threads = std::min<int64_t>(at::get_num_threads(), R * Hkv);
   const int64_t hpi = fast && R >= 4 * max_threads ? Hkv : 1;  // KV heads per item
   const int64_t per_row = Hkv / hpi;
@@ -1013,11 +1031,9 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
           continue;
         }
 #endif
-        if constexpr (!is_i8) {  // (an int8 cache is never `fast` without AVX-512)
-          decode_row<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs,
-                            block_elems, start, len, hk, hk + hpi, G, D,
-                            static_cast<float>(scale), o_ptr + (r * H + hk * G) * D, w);
-        }
+        decode_row<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
+                          start, len, hk, hk + hpi, G, D, static_cast<float>(scale),
+                          o_ptr + (r * H + hk * G) * D, w, k_scale, v_scale);
         continue;
       }
       const T* k_head = k_ptr + hk * bs * D;  // this KV head's run in block 0

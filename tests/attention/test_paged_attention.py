@@ -4,7 +4,10 @@ SDPA), and keel's compiled CPU kernel, which takes decode rows and short prompt 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -503,3 +506,33 @@ def test_int8_rows_and_their_scales():
         ops.paged_attention(torch.randn(2, 9, 64), cache[0].float(), cache[1].float(),
                             torch.zeros(2, 2, dtype=torch.int32), torch.tensor([3, 4]), None,
                             0.125, 0, scales[0], scales[1])
+
+
+def test_the_avx2_build_reads_an_int8_cache(tmp_path):
+    """On a CPU with AVX-512 the tests above run `decode_row16`; `decode_row` (8 lanes, what
+    an AVX2-only CPU runs) is checked here by building keel's kernels for x86-64-v3 (AVX2, no
+    AVX-512) in a subprocess: decode rows over an int8 cache (widened by one vpmovsxbd a load),
+    a bfloat16 and a float32 one, against the reference."""
+    with open("/proc/cpuinfo") as f:
+        assert "avx2" in f.read().split(), "keel's CI machines have AVX2"
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import keel.cpu_ops as c
+c._CFLAGS = [f if f != "-march=native" else "-march=x86-64-v3" for f in c._CFLAGS]
+assert c.get_cpu_ops() is not None
+from test_paged_attention import run_case
+seq_lens = [1, 13, 40, 64, 5, 150, 97]
+for cache, dtype, tol in ((torch.int8, torch.float32, 1e-5), (torch.int8, torch.bfloat16, 3e-2),
+                          (None, torch.bfloat16, 3e-2), (None, torch.float32, 1e-5)):
+    for window in (None, 7):
+        fill = float("nan")
+        out, ref = run_case(seq_lens, [1] * len(seq_lens), 9, 3, 64, dtype, window, 16,
+                            fill=fill, cache_dtype=cache)
+        assert not out.isnan().any(), (cache, dtype)
+        assert (out - ref).abs().max().item() < tol, (cache, dtype, window)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, check=False)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

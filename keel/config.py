@@ -195,8 +195,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True  # as in vLLM v1
     # The K/V's dtype in the cache: "auto" (the model's compute dtype, except bfloat16 under
-    # dtype="auto" where a CPU computes a float32 model in float32), "float32", or
-    # "bfloat16" (also under float32 compute: half the bytes, the arithmetic in float32).
+    # dtype="auto" where a CPU computes a float32 model in float32), "float32",
+    # "bfloat16" (also under float32 compute: half the bytes, the arithmetic in float32), or
+    # "int8" (opt-in, lossy: each K/V row int8 with a float32 scale, under float32 or
+    # bfloat16 compute; see dtypes.kv_cache_dtype).
     cache_dtype: str = "auto"
     num_blocks: int = field(init=False, default=0)  # set by the worker after sizing
     kv_torch_dtype: torch.dtype | None = field(init=False, default=None)  # set by EngineConfig

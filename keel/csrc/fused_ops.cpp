@@ -410,7 +410,20 @@ inline void quantize_row(const T* src, int64_t D, int8_t* dst, float* scale) {
   for (; d < D; ++d) m = std::max(m, std::abs(static_cast<float>(src[d])));
   *scale = m / 127.f;
   const float inv = m > 0.f ? 127.f / m : 0.f;
-  for (d = 0; d < D; ++d) {  // NaN clamps to -127 (never an undefined conversion)
+  d = 0;
+#ifdef __AVX512F__
+  // The loop below, 16 at a time (the same bits: the product rounded, then to nearest even;
+  // max(q, -127) gives -127 for NaN): the scalar loop took 5x the bfloat16 copy's time.
+  const __m512 iv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (; d + 16 <= D; d += 16) {
+    const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps((__m512)load16(src + d), iv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
+                         _mm512_min_ps(_mm512_max_ps(q, lo), hi))));
+  }
+#endif
+  for (; d < D; ++d) {  // NaN clamps to -127 (never an undefined conversion)
     const float q = std::nearbyint(static_cast<float>(src[d]) * inv);
     dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
   }

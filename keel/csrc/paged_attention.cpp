@@ -138,6 +138,17 @@ inline void scale_by_block(float* s, int64_t ss, int64_t GT, const float* const*
   }
 }
 
+// An int8 cache: the scales of the chunk's runs kblk / vblk (one per row, at the row's index).
+template <typename T>
+inline void run_scales(const float* k_scale, const float* v_scale, const T* k_ptr, const T* v_ptr,
+                       const T* const* kblk, const T* const* vblk, int64_t nb, int64_t D,
+                       const float** ksb, const float** vsb) {
+  for (int64_t i = 0; i < nb; ++i) {
+    ksb[i] = k_scale + (kblk[i] - k_ptr) / D;
+    vsb[i] = v_scale + (vblk[i] - v_ptr) / D;
+  }
+}
+
 // The scales of blocks row[0 .. n) from KV head h0 (nh heads of bs rows each) into L1: an int8
 // cache's next chunk, beside its rows.
 inline void prefetch_scales(const float* k_scale, const float* v_scale, const int32_t* row,
@@ -709,10 +720,7 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
       const float* ksb[kChunkBlocks];
       const float* vsb[kChunkBlocks];
       if constexpr (is_i8) {
-        for (int64_t i = 0; i < nb; ++i) {
-          ksb[i] = k_scale + (kblk[i] - k_ptr) / D;
-          vsb[i] = v_scale + (vblk[i] - v_ptr) / D;
-        }
+        run_scales(k_scale, v_scale, k_ptr, v_ptr, kblk, vblk, nb, D, ksb, vsb);
         scale_by_block(s, ss, G, ksb, bs, lo8, hi8);
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -877,11 +885,7 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
       head_runs(k_ptr, v_ptr, row + b, nb, block_elems, h * run, kblk, vblk);
       const float* ksb[kChunkBlocks];  // an int8 cache's scales of the chunk's blocks
       const float* vsb[kChunkBlocks];
-      if constexpr (is_i8)
-        for (int64_t i = 0; i < nb; ++i) {
-          ksb[i] = k_scale + (kblk[i] - k_ptr) / D;
-          vsb[i] = v_scale + (vblk[i] - v_ptr) / D;
-        }
+      if constexpr (is_i8) run_scales(k_scale, v_scale, k_ptr, v_ptr, kblk, vblk, nb, D, ksb, vsb);
       const int64_t x0 = (h - h0) * G;
       for (int64_t g = 0; g < G; ++g) {
         float* sg = s + g * span;

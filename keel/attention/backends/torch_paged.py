@@ -184,6 +184,11 @@ def cache_rows(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, i: int,
     return (rows.float() * kv_scale[i].index_select(0, blocks)[..., None]).to(dtype)
 
 
+def _scale_args(kv_scale: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The compiled op's key_scale and value_scale for an int8 cache; none for another."""
+    return () if kv_scale is None else (kv_scale[0], kv_scale[1])
+
+
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
@@ -196,7 +201,7 @@ def write_kv_cache(
             raise ValueError("an int8 KV cache needs its scales (kv_scale)")
         if ops is not None:
             ops.write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping,
-                               kv_scale[0], kv_scale[1])
+                               *_scale_args(kv_scale))
             return
         block_size = kv_cache.shape[3]
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
@@ -232,7 +237,7 @@ def paged_attention(
     n = meta.num_actual_tokens
     query, key, value = query[:n], key[:n], value[:n]
     write_kv_cache(key, value, kv_cache, meta.slot_mapping, kv_scale)
-    scales = () if kv_scale is None else (kv_scale[0], kv_scale[1])
+    scales = _scale_args(kv_scale)
 
     _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
     num_heads = query.shape[1]
@@ -330,7 +335,7 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
         rows = ops.paged_attention(
             query.index_select(0, idx), kv_cache[0], kv_cache[1], meta.block_table,
             meta.token_seq_lens.index_select(0, idx), meta.token_rows.index_select(0, idx),
-            scale, sliding_window or 0, *(() if kv_scale is None else (kv_scale[0], kv_scale[1])),
+            scale, sliding_window or 0, *_scale_args(kv_scale),
         )
         out.index_copy_(0, idx, rows.view(len(idx), -1))
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]

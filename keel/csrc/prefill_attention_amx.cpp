@@ -244,10 +244,17 @@ void attend_item(const c10::BFloat16* q_ptr, int64_t q_stride, const uint32_t* k
         std::memset(pr, 0, kBlock * 2);
         continue;
       }
-      const float mb = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      const __m512 smax = _mm512_max_ps(s0, s1);
       if (w.m[r] == ninf) {
-        w.m[r] = mb;
-      } else if ((mb - w.m[r]) * scale > kLazy) {  // the sums so far scaled to the new maximum
+        w.m[r] = _mm512_reduce_max_ps(smax);
+      } else if (_mm512_cmp_ps_mask(
+                     _mm512_mul_ps(_mm512_sub_ps(smax, _mm512_set1_ps(w.m[r])),
+                                   _mm512_set1_ps(scale)),
+                     _mm512_set1_ps(kLazy), _CMP_GT_OQ) != 0) {
+        // Some lane's (s - m) * scale is past kLazy exactly when the block maximum's is
+        // (the rounded subtraction and product keep the lanes' order): one compare, not a
+        // horizontal maximum, for every row and block; the maximum only when it is raised.
+        const float mb = _mm512_reduce_max_ps(smax);
         alpha[r] = std::exp((w.m[r] - mb) * scale);
         w.m[r] = mb;
         any_rescale = true;

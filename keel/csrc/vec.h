@@ -58,7 +58,24 @@ inline V loadv(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(&v, p, sizeof(v));
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // bfloat16 is the top half of a float32: widen and shift, N at a time.
+    // bfloat16 is the top half of a float32: widen and shift, N at a time. One widening load
+    // where the ISA has it: GCC's generic conversion of 16 lanes took four instructions.
+#if defined(__AVX512F__)
+    if constexpr (N == 16) {
+      const __m512i w = _mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+      std::memcpy(&v, &w, sizeof(v));
+      return v;
+    }
+#endif
+#if defined(__AVX2__)
+    if constexpr (N == 8) {
+      const __m256i w = _mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+      std::memcpy(&v, &w, sizeof(v));
+      return v;
+    }
+#endif
     H h;
     std::memcpy(&h, p, sizeof(h));
     const U w = __builtin_convertvector(h, U) << 16;

@@ -63,6 +63,7 @@ def test_layer_takes_it_for_short_passes_or_all(ops, monkeypatch, prompt):
     amx_prompt_chosen (else to oneDNN); all match the dense product."""
     monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
     monkeypatch.setattr(linear_mod, "_amx_prompt_faster", prompt)
+    monkeypatch.setattr(linear_mod, "_amx_long_faster", prompt)
     monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1 << 30)
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
     layer = ColumnParallelLinear(96, 80, bias=True, dtype=torch.bfloat16)
@@ -209,6 +210,7 @@ def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4,
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
     monkeypatch.setattr(linear_mod, "_compressed_faster", {"int4": True})
     monkeypatch.setattr(linear_mod, "_amx_prompt_faster", True)
+    monkeypatch.setattr(linear_mod, "_amx_long_faster", True)
     if not ops.amx_gemm_available():
         monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
         assert not linear_mod.amx_gemm_chosen()
@@ -286,8 +288,9 @@ def test_q8_0_blocks_are_recovered_exactly_or_refused():
 
 def test_prompt_passes_are_chosen_by_measuring(ops, monkeypatch):
     """Prompt-sized passes go to the AMX GEMM only where a prompt chunk's MLP measured faster
-    on it than on oneDNN (once per process), never without the AMX GEMM for decode passes;
-    KEEL_AMX_PROMPT forces the answer."""
+    on it than on oneDNN (once per process; past AMX_PROMPT_SPLIT_ROWS rows a second choice,
+    measured at 2,048), never without the AMX GEMM for decode passes; KEEL_AMX_PROMPT forces
+    the answer."""
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
     monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
     monkeypatch.setattr(linear_mod, "_amx_gemm_faster", False)
@@ -304,17 +307,32 @@ def test_prompt_passes_are_chosen_by_measuring(ops, monkeypatch):
         monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
         monkeypatch.setenv("KEEL_AMX_PROMPT", forced)
         assert linear_mod.amx_prompt_chosen() == (forced == "1")
+    # Measured: keel's faster at 512 rows, oneDNN at 2,048 -> keel up to the split only.
     calls = []
     monkeypatch.setattr(linear_mod, "_time_prompt_mlp",
-                        lambda kernel: lambda: calls.append(kernel) or (1.0 if kernel == "amx"
-                                                                        else 2.0))
+                        lambda kernel, rows=512: lambda: calls.append((kernel, rows)) or (
+                            (1.0 if kernel == "amx" else 2.0) * (1 if rows == 512 else -1)))
     monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
+    monkeypatch.setattr(linear_mod, "_amx_long_faster", None)
     monkeypatch.delenv("KEEL_AMX_PROMPT")
     assert linear_mod.amx_prompt_chosen() and linear_mod.amx_prompt_chosen()
-    assert sorted(set(calls)) == ["amx", "onednn"] and len(calls) == 4  # 2 rounds, once
+    assert not linear_mod.amx_long_chosen() and not linear_mod.amx_long_chosen()
+    assert sorted(set(calls)) == [("amx", 512), ("amx", 2048), ("onednn", 512),
+                                  ("onednn", 2048)] and len(calls) == 8  # 2 rounds, once
+    split = linear_mod.AMX_PROMPT_SPLIT_ROWS
+    bf16 = torch.empty(0, dtype=torch.bfloat16)
+    assert linear_mod.amx_takes(bf16, 65) and linear_mod.amx_takes(bf16, split)
+    assert not linear_mod.amx_takes(bf16, split + 1)
+    monkeypatch.setattr(linear_mod, "_amx_long_faster", True)
+    assert linear_mod.amx_takes(bf16, 1 << 20)
     # An int4 copy never takes a prompt pass, whatever was chosen.
     assert not linear_mod.amx_takes(torch.empty(0, dtype=torch.uint8), 65)
-    assert linear_mod.amx_takes(torch.empty(0, dtype=torch.bfloat16), 65)
+    # Forced, both choices follow KEEL_AMX_PROMPT; without a prompt choice, no long one.
+    for forced in ("0", "1"):
+        monkeypatch.setenv("KEEL_AMX_PROMPT", forced)
+        monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
+        monkeypatch.setattr(linear_mod, "_amx_long_faster", None)
+        assert linear_mod.amx_long_chosen() == (forced == "1")
 
 
 def test_prompt_mlp_timing_runs(ops, monkeypatch):

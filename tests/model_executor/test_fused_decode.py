@@ -148,6 +148,7 @@ def test_bit_identical_past_64_rows(prompt_on_amx, hf_model_dir, monkeypatch):
         monkeypatch.setattr(gemm_choice, "_keel_ops", ops)
         monkeypatch.setattr(gemm_choice, "_amx_gemm_faster", True)
     monkeypatch.setattr(gemm_choice, "_amx_prompt_faster", prompt_on_amx)
+    monkeypatch.setattr(gemm_choice, "_amx_long_faster", prompt_on_amx)
     prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(4 + i % 9)] for i in range(70)]
     folder = hf_model_dir("llama")
     # The rows each planned layer gives the AMX GEMM (on these tiny layers the two GEMMs may

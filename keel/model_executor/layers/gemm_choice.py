@@ -29,8 +29,9 @@ with AVX512-BF16.
 Where the CPU has AMX tiles, a bfloat16 layer on oneDNN also keeps a copy of its weight in
 the tile layout of keel's AMX GEMM (csrc/amx_gemm.cpp), which takes the passes of up to
 `AMX_GEMM_MAX_ROWS` rows (decode steps) if it times faster than oneDNN's at load, and the
-longer passes (prompt chunks) too if a prompt chunk's MLP also times faster on it
-(`amx_prompt_chosen`; `KEEL_AMX_PROMPT=0|1` forces it); else oneDNN keeps them. The copies
+longer passes (prompt chunks) too if a prompt chunk's MLP also times faster on it: up to
+`AMX_PROMPT_SPLIT_ROWS` rows measured at 512 (`amx_prompt_chosen`), past that at 2,048
+(`amx_long_chosen`; `KEEL_AMX_PROMPT=0|1` forces both); else oneDNN keeps them. The copies
 may take a quarter of the memory available at load; past that the remaining layers run on
 oneDNN alone. `KEEL_AMX_GEMM=0` turns it off.
 """
@@ -178,6 +179,12 @@ def _time_packed_gemm(dtype: torch.dtype, kernel: str = "onednn", rows: int = 64
 AMX_GEMM_MAX_ROWS = 64
 _amx_gemm_faster: bool | None = None
 _amx_prompt_faster: bool | None = None  # longer passes too (amx_prompt_chosen)
+# Prompt passes of more rows than this are a second choice (amx_long_chosen): on one AMX host
+# keel's MLP ran 0.88-0.93x oneDNN's time at 512-1,024 rows but 1.11-1.19x at 1,536-2,048
+# (oneDNN's brgemm gains with the rows, keel's panels of 128 rows do not; BENCHMARKS.md,
+# thirty-sixth round), so the 512-row measurement alone sent 2,048-row chunks to the slower.
+AMX_PROMPT_SPLIT_ROWS = 1024
+_amx_long_faster: bool | None = None  # passes past AMX_PROMPT_SPLIT_ROWS (amx_long_chosen)
 _amx_bytes_left: int | None = None  # the copies' memory budget (see _amx_budget)
 
 
@@ -240,6 +247,28 @@ def amx_prompt_chosen() -> bool:
     return _amx_prompt_faster
 
 
+def amx_long_chosen() -> bool:
+    """Whether passes of more than AMX_PROMPT_SPLIT_ROWS rows run on keel's AMX GEMM too,
+    where amx_prompt_chosen: measured once per process as that choice, on a 2,048-row MLP
+    (the scheduler's default chunk). KEEL_AMX_PROMPT=0 / 1 forces this one as well."""
+    global _amx_long_faster
+    if _amx_long_faster is None:
+        forced = _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN",
+                                "on keel's AMX GEMM")
+        if not amx_prompt_chosen():
+            _amx_long_faster = False
+        elif forced is not None:
+            _amx_long_faster = forced
+        else:
+            rows = 2 * AMX_PROMPT_SPLIT_ROWS
+            _amx_long_faster = _faster(_time_prompt_mlp("amx", rows=rows),
+                                       _time_prompt_mlp("onednn", rows=rows), rounds=2)
+            logger.info("bfloat16 passes of more than %d rows: %s's GEMM (measured faster on "
+                        "a %d-row MLP)", AMX_PROMPT_SPLIT_ROWS,
+                        "keel" if _amx_long_faster else "oneDNN", rows)
+    return _amx_long_faster
+
+
 def _time_prompt_mlp(kernel: str, rows: int = 512, inter: int = 1536,
                      hidden: int = 576) -> Callable[[], float]:
     """A timing (best of 5) of one MLP of a prompt chunk: gate_up, SiLU, down."""
@@ -261,10 +290,11 @@ def _time_prompt_mlp(kernel: str, rows: int = 512, inter: int = 1536,
 
 
 def amx_max_rows(amx: torch.Tensor) -> int:
-    """The most rows of a pass that runs on the AMX GEMM over the copy `amx` (every pass, for
-    a bfloat16 copy where amx_prompt_chosen)."""
+    """The most rows of a pass that runs on the AMX GEMM over the copy `amx`: for a bfloat16
+    copy where amx_prompt_chosen, AMX_PROMPT_SPLIT_ROWS, or every pass where amx_long_chosen
+    as well."""
     if amx.dtype == torch.bfloat16 and amx_prompt_chosen():
-        return 1 << 62
+        return 1 << 62 if amx_long_chosen() else AMX_PROMPT_SPLIT_ROWS
     return AMX_GEMM_MAX_ROWS
 
 

@@ -61,7 +61,7 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
             copy = _amx_copy(module, w.detach(), order)
             if choice._amx_budget(copy.numel() * copy.element_size()):
                 module.amx_weight, module.amx_silu = copy, pairs
-                choice.amx_prompt_chosen()  # measured now, at load, not in the first prompt
+                choice.amx_long_chosen()  # both measured now, at load, not in a prompt
                 if pairs and module.bias is not None:
                     module.amx_bias = module.bias.detach()[order].contiguous()
         module.amx_int4 = None  # a converted folder's int4 groups were only for the copy

@@ -226,24 +226,14 @@ def amx_prompt_chosen() -> bool:
     AMX GEMM, over a layer's bfloat16 tile copy (never a widened int4 or int8 one), where it
     is chosen for decode passes: measured once per process on the default model's MLP at 512
     rows (gate_up with SiLU in the AMX GEMM's epilogue, then down; against oneDNN's two GEMMs
-    and silu_and_mul between them). The AMX GEMM takes long passes in panels of 128 rows
+    and silu_and_mul between them); passes of more than AMX_PROMPT_SPLIT_ROWS rows are
+    amx_long_chosen's. The AMX GEMM takes long passes in panels of 128 rows
     (csrc/amx_gemm.cpp); on one AMX host the MLP of a 2,048-row chunk ran 1.5x faster on it
     than on oneDNN, and oneDNN's brgemm has read 3.3 TFLOP/s at 2,048 rows on another, so it
     is measured. KEEL_AMX_PROMPT=0 / 1 skips the measurement."""
     global _amx_prompt_faster
     if _amx_prompt_faster is None:
-        forced = _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN",
-                                "on keel's AMX GEMM")
-        if not amx_gemm_chosen():
-            _amx_prompt_faster = False
-        elif forced is not None:
-            _amx_prompt_faster = forced
-        else:
-            _amx_prompt_faster = _faster(_time_prompt_mlp("amx"), _time_prompt_mlp("onednn"),
-                                         rounds=2)
-            logger.info("bfloat16 passes of more than %d rows: %s's GEMM (measured faster on "
-                        "a 512-row MLP)", AMX_GEMM_MAX_ROWS,
-                        "keel" if _amx_prompt_faster else "oneDNN")
+        _amx_prompt_faster = amx_gemm_chosen() and _prompt_rows_chosen(512, AMX_GEMM_MAX_ROWS)
     return _amx_prompt_faster
 
 
@@ -253,20 +243,23 @@ def amx_long_chosen() -> bool:
     (the scheduler's default chunk). KEEL_AMX_PROMPT=0 / 1 forces this one as well."""
     global _amx_long_faster
     if _amx_long_faster is None:
-        forced = _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN",
-                                "on keel's AMX GEMM")
-        if not amx_prompt_chosen():
-            _amx_long_faster = False
-        elif forced is not None:
-            _amx_long_faster = forced
-        else:
-            rows = 2 * AMX_PROMPT_SPLIT_ROWS
-            _amx_long_faster = _faster(_time_prompt_mlp("amx", rows=rows),
-                                       _time_prompt_mlp("onednn", rows=rows), rounds=2)
-            logger.info("bfloat16 passes of more than %d rows: %s's GEMM (measured faster on "
-                        "a %d-row MLP)", AMX_PROMPT_SPLIT_ROWS,
-                        "keel" if _amx_long_faster else "oneDNN", rows)
+        _amx_long_faster = amx_prompt_chosen() and _prompt_rows_chosen(
+            2 * AMX_PROMPT_SPLIT_ROWS, AMX_PROMPT_SPLIT_ROWS)
     return _amx_long_faster
+
+
+def _prompt_rows_chosen(rows: int, past: int) -> bool:
+    """KEEL_AMX_PROMPT's answer, else whether a `rows`-row MLP measures faster on keel's AMX
+    GEMM than on oneDNN (2 rounds, each the best of 5), logged for passes of more than
+    `past` rows."""
+    forced = _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN", "on keel's AMX GEMM")
+    if forced is not None:
+        return forced
+    faster = _faster(_time_prompt_mlp("amx", rows=rows), _time_prompt_mlp("onednn", rows=rows),
+                     rounds=2)
+    logger.info("bfloat16 passes of more than %d rows: %s's GEMM (measured faster on a %d-row "
+                "MLP)", past, "keel" if faster else "oneDNN", rows)
+    return faster
 
 
 def _time_prompt_mlp(kernel: str, rows: int = 512, inter: int = 1536,

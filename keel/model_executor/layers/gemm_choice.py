@@ -233,7 +233,8 @@ def amx_prompt_chosen() -> bool:
     is measured. KEEL_AMX_PROMPT=0 / 1 skips the measurement."""
     global _amx_prompt_faster
     if _amx_prompt_faster is None:
-        _amx_prompt_faster = amx_gemm_chosen() and _prompt_rows_chosen(512, AMX_GEMM_MAX_ROWS)
+        _amx_prompt_faster = amx_gemm_chosen() and _prompt_rows_chosen(
+            512, f"{AMX_GEMM_MAX_ROWS + 1}-{AMX_PROMPT_SPLIT_ROWS} rows")
     return _amx_prompt_faster
 
 
@@ -244,21 +245,21 @@ def amx_long_chosen() -> bool:
     global _amx_long_faster
     if _amx_long_faster is None:
         _amx_long_faster = amx_prompt_chosen() and _prompt_rows_chosen(
-            2 * AMX_PROMPT_SPLIT_ROWS, AMX_PROMPT_SPLIT_ROWS)
+            2 * AMX_PROMPT_SPLIT_ROWS, f"more than {AMX_PROMPT_SPLIT_ROWS} rows")
     return _amx_long_faster
 
 
-def _prompt_rows_chosen(rows: int, past: int) -> bool:
+def _prompt_rows_chosen(rows: int, passes: str) -> bool:
     """KEEL_AMX_PROMPT's answer, else whether a `rows`-row MLP measures faster on keel's AMX
-    GEMM than on oneDNN (2 rounds, each the best of 5), logged for passes of more than
-    `past` rows."""
+    GEMM than on oneDNN (2 rounds, each the best of 5), logged as the choice for the passes
+    named."""
     forced = _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN", "on keel's AMX GEMM")
     if forced is not None:
         return forced
     faster = _faster(_time_prompt_mlp("amx", rows=rows), _time_prompt_mlp("onednn", rows=rows),
                      rounds=2)
-    logger.info("bfloat16 passes of more than %d rows: %s's GEMM (measured faster on a %d-row "
-                "MLP)", past, "keel" if faster else "oneDNN", rows)
+    logger.info("bfloat16 passes of %s: %s's GEMM (measured faster on a %d-row MLP)", passes,
+                "keel" if faster else "oneDNN", rows)
     return faster
 
 

@@ -296,6 +296,10 @@ def test_prompt_passes_are_chosen_by_measuring(ops, monkeypatch):
     monkeypatch.setattr(linear_mod, "_amx_gemm_faster", False)
     monkeypatch.setenv("KEEL_AMX_PROMPT", "1")
     assert not linear_mod.amx_prompt_chosen()  # no AMX GEMM at all: not for prompts either
+    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
+    monkeypatch.setenv("KEEL_AMX_PROMPT", "on")  # a bad value is refused without AMX too
+    with pytest.raises(ValueError, match="KEEL_AMX_PROMPT='on': expected 0"):
+        linear_mod.amx_prompt_chosen()
     if not ops.amx_gemm_available():
         return
     monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)

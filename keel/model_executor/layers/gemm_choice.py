@@ -233,6 +233,7 @@ def amx_prompt_chosen() -> bool:
     is measured. KEEL_AMX_PROMPT=0 / 1 skips the measurement."""
     global _amx_prompt_faster
     if _amx_prompt_faster is None:
+        _amx_prompt_forced()  # a bad value is an error on any CPU, AMX or not
         _amx_prompt_faster = amx_gemm_chosen() and _prompt_rows_chosen(
             512, f"{AMX_GEMM_MAX_ROWS + 1}-{AMX_PROMPT_SPLIT_ROWS} rows")
     return _amx_prompt_faster
@@ -249,11 +250,15 @@ def amx_long_chosen() -> bool:
     return _amx_long_faster
 
 
+def _amx_prompt_forced() -> bool | None:
+    return _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN", "on keel's AMX GEMM")
+
+
 def _prompt_rows_chosen(rows: int, passes: str) -> bool:
     """KEEL_AMX_PROMPT's answer, else whether a `rows`-row MLP measures faster on keel's AMX
     GEMM than on oneDNN (2 rounds, each the best of 5), logged as the choice for the passes
     named."""
-    forced = _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN", "on keel's AMX GEMM")
+    forced = _amx_prompt_forced()
     if forced is not None:
         return forced
     faster = _faster(_time_prompt_mlp("amx", rows=rows), _time_prompt_mlp("onednn", rows=rows),

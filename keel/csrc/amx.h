@@ -22,6 +22,10 @@ struct alignas(64) TileConfig {
 inline void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  // GCC 12 does not treat ldtilecfg as reading its operand: without this barrier it may drop
+  // the stores above as dead (measured in a small program: the tiles then stay unconfigured
+  // and the first tile instruction faults).
+  asm volatile("" ::: "memory");
   _tile_loadconfig(&cfg);
 }
 

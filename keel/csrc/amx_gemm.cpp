@@ -121,6 +121,13 @@ inline void widen_int4_tile(const uint8_t* src, uint16_t* dst) {
 // over the default model's four shapes, and 1.2-1.5x on its MLP with gate_up's SiLU in the
 // epilogue (BENCHMARKS.md, twenty-fourth round). A decode pass (up to 128 rows) is one panel.
 //
+// A block of 32 rows x 32 columns ends with its four accumulator tiles stored to a buffer; its
+// rows are rounded to bfloat16 (with the bias, or the SiLU) and written out while the tile unit
+// computes the next block, a share of the rows after each slice of K (the last block of a
+// thread's items at the end). Rounding them before the next block's products had the tile unit
+// wait: at K = 576 the epilogue took ~20% of the GEMM, and the MLP of a 2,048-row pass went
+// 6.8 -> 5.6 ms (BENCHMARKS.md, thirty-seventh round). The same bits either way.
+//
 // silu: the weight's pairs are [16 gate columns | their 16 up columns] (a [gate; up] layer
 // packed with its rows interleaved by 16), and the output is [M, n / 2]: silu(gate) * up,
 // each of gate and up first rounded to bfloat16 (with the bias) as the GEMM's output would
@@ -154,7 +161,49 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
     // Tiles 0-1: A (16 rows of x, 32 k each); 2-3: B (the pair's two tiles for a slice of
     // K); 4-7: the accumulators [rows 0-15 | 16-31] x [columns of tile 0 | tile 1].
     keel::configure_tiles();
-    alignas(64) float acc[32 * 32];
+    // Two blocks' sums: the last block's rows are rounded and written (finish) while the
+    // tile unit works on the next block's products.
+    alignas(64) float accs[2][32 * 32];
+    int cur = 0;
+    struct Pending {
+      int64_t r0 = 0, rows = 0, done = 0, c0 = 0, j = 0, cols = 0;
+      const float* acc = nullptr;
+    } pending;
+    auto finish = [&](Pending& p, int64_t upto) {
+      for (int64_t r = p.done; silu && r < upto; ++r) {
+        const float* acc = p.acc;
+        const int64_t c0 = p.c0;
+        __m512 gu[2];
+        for (int h = 0; h < 2; ++h) {  // gate, then up: as the GEMM's bfloat16 output
+          __m512 v = _mm512_load_ps(acc + r * 32 + h * 16);
+          if (bf != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bf + c0 + h * 16));
+          if (bh != nullptr) v = _mm512_add_ps(v, keel::load_ps16(bh + c0 + h * 16));
+          const __m256bh b = _mm512_cvtneps_pbh(v);
+          gu[h] = keel::load_ps16(reinterpret_cast<const c10::BFloat16*>(&b));
+        }
+        const __m256bh sb = _mm512_cvtneps_pbh(keel::silu16(gu[0]));
+        const __m512 sr = keel::load_ps16(reinterpret_cast<const c10::BFloat16*>(&sb));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (p.r0 + r) * (n / 2) + p.j * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, gu[1])));
+      }
+      for (int64_t r = p.done; !silu && r < upto; ++r) {
+        const float* acc = p.acc;
+        const int64_t c0 = p.c0;
+        c10::BFloat16* dst = op + (p.r0 + r) * n + c0;
+        for (int64_t h = 0; h < p.cols; h += 16) {
+          __m512 v = _mm512_load_ps(acc + r * 32 + h);
+          if (bf != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bf + c0 + h));
+          if (bh != nullptr)  // bfloat16 widened exactly: its bits in the high half
+            v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                         reinterpret_cast<const __m256i*>(bh + c0 + h))),
+                                     16)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + h),
+                              (__m256i)_mm512_cvtneps_pbh(v));
+        }
+      }
+      if (upto > p.done) p.done = upto;
+    };
     // Each block of 32 rows' accumulators between chunks (4 tiles of 1 KB).
     static thread_local std::vector<float> held;
     if (chunk < slices) held.resize(blocks32 * 4 * 256 + 16);
@@ -220,7 +269,11 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
               _tile_dpbf16ps(6, 1, 2);
               _tile_dpbf16ps(7, 1, 3);
             }
+            // The previous block's rows, a share per slice, beside these products.
+            if (pending.done < pending.rows)
+              finish(pending, std::min(pending.rows, (s + 1) * ((pending.rows + ns - 1) / ns)));
           }
+          finish(pending, pending.rows);
           if (!last) {  // the sums so far, until the next chunk
             _tile_stored(4, h, 64);
             _tile_stored(5, h + 256, 64);
@@ -230,45 +283,20 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
             }
             continue;
           }
+          float* acc = accs[cur];
+          cur ^= 1;
           _tile_stored(4, acc, 128);
           _tile_stored(5, acc + 16, 128);
           if (two) {
             _tile_stored(6, acc + 16 * 32, 128);
             _tile_stored(7, acc + 16 * 32 + 16, 128);
           }
-          const int64_t rows = std::min<int64_t>(two ? 32 : 16, M - r0);
-          for (int64_t r = 0; silu && r < rows; ++r) {
-            __m512 gu[2];
-            for (int h = 0; h < 2; ++h) {  // gate, then up: as the GEMM's bfloat16 output
-              __m512 v = _mm512_load_ps(acc + r * 32 + h * 16);
-              if (bf != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bf + c0 + h * 16));
-              if (bh != nullptr) v = _mm512_add_ps(v, keel::load_ps16(bh + c0 + h * 16));
-              const __m256bh b = _mm512_cvtneps_pbh(v);
-              gu[h] = keel::load_ps16(reinterpret_cast<const c10::BFloat16*>(&b));
-            }
-            const __m256bh sb = _mm512_cvtneps_pbh(keel::silu16(gu[0]));
-            const __m512 sr = keel::load_ps16(reinterpret_cast<const c10::BFloat16*>(&sb));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (r0 + r) * (n / 2) + j * 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, gu[1])));
-          }
-          for (int64_t r = 0; !silu && r < rows; ++r) {
-            c10::BFloat16* dst = op + (r0 + r) * n + c0;
-            for (int64_t h = 0; h < cols; h += 16) {
-              __m512 v = _mm512_load_ps(acc + r * 32 + h);
-              if (bf != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bf + c0 + h));
-              if (bh != nullptr)  // bfloat16 widened exactly: its bits in the high half
-                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                         _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                             reinterpret_cast<const __m256i*>(bh + c0 + h))),
-                                         16)));
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + h),
-                                  (__m256i)_mm512_cvtneps_pbh(v));
-            }
-          }
+          pending = {r0, std::min<int64_t>(two ? 32 : 16, M - r0), 0, c0, j, cols, acc};
         }
        }
       }
     }
+    finish(pending, pending.rows);
     _tile_release();
   });
 }

@@ -114,9 +114,10 @@ inline void widen_int4_tile(const uint8_t* src, uint16_t* dst) {
 // Rows [0, M / 16 * 16) are read from xp, the last partial tile's (if M % 16) from `tail`:
 // 16 rows, those past M zero.
 //
-// Rows go in panels of kPanelRows (the dense copy only; a widened copy keeps one panel): the
-// threads claim (panel, pair) items panel by panel, so a prompt chunk's panel of x (147 KB at
-// K = 576) stays in L2 while the pairs stream past it. Over all of a 2,048-row pass at once,
+// Rows go in panels of kPanelRows (kPanelRowsL1 where a pair fits in L1, see amx_gemm_tiles;
+// the dense copy only; a widened copy keeps one panel): the threads claim (panel, pair) items
+// panel by panel, so a prompt chunk's panel of x (147 KB at K = 576) stays in L2 while the
+// pairs stream past it. Over all of a 2,048-row pass at once,
 // each pair re-read x's 2.4 MB from L3 and the GEMM ran at 0.77x oneDNN's; in panels, 1.02-1.1x
 // over the default model's four shapes, and 1.2-1.5x on its MLP with gate_up's SiLU in the
 // epilogue (BENCHMARKS.md, twenty-fourth round). A decode pass (up to 128 rows) is one panel.
@@ -139,7 +140,8 @@ inline void widen_int4_tile(const uint8_t* src, uint16_t* dst) {
 // accumulators of each 32 rows wait in memory (L1) in between. A widened copy is asked for a
 // few slices at a time so that they stay in L1 for all of x's rows (K = 576 at 64 rows: the
 // whole pair's 36 KB beside x's 73 KB had the tile loads waiting on L2).
-constexpr int64_t kPanelRows = 128;
+constexpr int64_t kPanelRows = 128, kPanelRowsL1 = 512;
+constexpr int64_t kL1Slices = 20;  // a pair of 20 slices is 40 KB of tiles (L1 holds 48)
 
 template <typename PairWeight>
 void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t M, int64_t K,
@@ -149,7 +151,14 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
   const int64_t pairs = (n + 31) / 32, slices = K / 32;
   const int64_t blocks32 = (M16 + 31) / 32;
   if (blocks32 == 1) chunk = slices;  // one block of rows: nothing to keep between chunks
-  const int64_t panel = chunk == slices ? kPanelRows : (M16 + 31) / 32 * 32;
+  // A pair's tiles that fit in L1 beside the tile loads of x (K <= kL1Slices * 32) stay there
+  // while a prompt chunk's rows stream past them: x's tiles are loaded with the hint not to
+  // keep them in L1 (they serve one block), and a panel is kPanelRowsL1 rows (590 KB of x at
+  // K = 576, in L2), so that each pair is read from L3 once per 512 rows instead of 128.
+  const bool pair_in_l1 = chunk == slices && K <= kL1Slices * 32 && M16 > kPanelRows;
+  const int64_t panel = chunk != slices ? (M16 + 31) / 32 * 32
+                        : pair_in_l1    ? kPanelRowsL1
+                                        : kPanelRows;
   const int64_t items = (M16 + panel - 1) / panel * pairs;  // (panel, pair), panel-major
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
   // Row r's first element at slice s0 (r a multiple of 16: a tile's rows lie on one side).
@@ -261,11 +270,17 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
               _mm_prefetch(next + line * 64, _MM_HINT_T1);
             _tile_loadd(2, ws, 64);
             _tile_loadd(3, ws + 512, 64);
-            _tile_loadd(0, x0 + s * 32, K * 2);
+            if (pair_in_l1)
+              _tile_stream_loadd(0, x0 + s * 32, K * 2);
+            else
+              _tile_loadd(0, x0 + s * 32, K * 2);
             _tile_dpbf16ps(4, 0, 2);
             _tile_dpbf16ps(5, 0, 3);
             if (two) {
-              _tile_loadd(1, x1 + s * 32, K * 2);
+              if (pair_in_l1)
+                _tile_stream_loadd(1, x1 + s * 32, K * 2);
+              else
+                _tile_loadd(1, x1 + s * 32, K * 2);
               _tile_dpbf16ps(6, 1, 2);
               _tile_dpbf16ps(7, 1, 3);
             }

@@ -351,16 +351,17 @@ def test_prompt_mlp_timing_runs(ops, monkeypatch):
 
 def test_a_rows_output_does_not_depend_on_the_pass(ops):
     """Every row is summed in the same order whatever the pass's size, panel or tile: a
-    prompt chunk's rows (panels of 128, a padded last tile) give the bits that the same rows
-    give in decode-sized passes, or alone."""
+    prompt chunk's rows (panels of 512 where a pair of the weight fits in L1, as at K = 576,
+    else of 128; a padded last tile) give the bits that the same rows give in decode-sized
+    passes, or alone."""
     if not ops.amx_gemm_available():
         return
     g = torch.Generator().manual_seed(5)
-    m, n, k = 300, 160, 576
+    m, n, k = 1100, 160, 576
     x = torch.randn(m, k, generator=g).bfloat16()
     packed = ops.amx_gemm_pack((torch.randn(n, k, generator=g) * 0.05).bfloat16())
     whole = ops.amx_gemm(x, packed, n)
     assert torch.equal(torch.cat([ops.amx_gemm(x[i : i + 64], packed, n)
                                   for i in range(0, m, 64)]), whole)
-    for i in (0, 127, 128, 299):
+    for i in (0, 127, 128, 511, 512, 1099):
         assert torch.equal(ops.amx_gemm(x[i : i + 1], packed, n), whole[i : i + 1])

@@ -193,6 +193,20 @@ def weights_on_huge_pages(before: dict[int, int]) -> int:
     return advised
 
 
+def kv_cache_on_huge_pages() -> bool:
+    """Whether the K/V cache's mappings ask the kernel for transparent huge pages
+    (`KEEL_KV_HUGE_PAGES=1`; off by default, `0`). A decode step at long contexts reads the
+    cache block by block, and on 4 KiB pages nearly every block is a TLB miss: on an AMX Xeon VM
+    the median long decode step went 88.6-91.8 -> 77.5-80.4 ms with huge pages. Off by default
+    because a huge page is zeroed whole at first touch, and that VM's host backed fresh guest
+    memory so slowly (0.21 GB/s) that prefill steps over a fresh cache took 1.5x as long
+    (BENCHMARKS.md, thirty-seventh round); where memory is backed up front it pays."""
+    mode = os.environ.get("KEEL_KV_HUGE_PAGES", "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"KEEL_KV_HUGE_PAGES must be 0 or 1, got {mode!r}.")
+    return mode == "1" and platform.system() == "Linux"
+
+
 def best_seconds(fn, repeats: int, warmup: bool = True) -> float:
     """The fastest of `repeats` timed calls of fn() (after one untimed call unless `warmup` is
     False): how keel times a kernel choice at load."""

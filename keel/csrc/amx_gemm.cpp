@@ -170,18 +170,15 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
     // Tiles 0-1: A (16 rows of x, 32 k each); 2-3: B (the pair's two tiles for a slice of
     // K); 4-7: the accumulators [rows 0-15 | 16-31] x [columns of tile 0 | tile 1].
     keel::configure_tiles();
-    // Two blocks' sums: the last block's rows are rounded and written (finish) while the
-    // tile unit works on the next block's products.
-    alignas(64) float accs[2][32 * 32];
-    int cur = 0;
+    // The last block's sums: its rows are rounded and written (finish) while the tile unit
+    // works on the next block's products, and are all written before that block's are stored.
+    alignas(64) float acc[32 * 32];
     struct Pending {
       int64_t r0 = 0, rows = 0, done = 0, c0 = 0, j = 0, cols = 0;
-      const float* acc = nullptr;
     } pending;
     auto finish = [&](Pending& p, int64_t upto) {
+      const int64_t c0 = p.c0;
       for (int64_t r = p.done; silu && r < upto; ++r) {
-        const float* acc = p.acc;
-        const int64_t c0 = p.c0;
         __m512 gu[2];
         for (int h = 0; h < 2; ++h) {  // gate, then up: as the GEMM's bfloat16 output
           __m512 v = _mm512_load_ps(acc + r * 32 + h * 16);
@@ -196,8 +193,6 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, gu[1])));
       }
       for (int64_t r = p.done; !silu && r < upto; ++r) {
-        const float* acc = p.acc;
-        const int64_t c0 = p.c0;
         c10::BFloat16* dst = op + (p.r0 + r) * n + c0;
         for (int64_t h = 0; h < p.cols; h += 16) {
           __m512 v = _mm512_load_ps(acc + r * 32 + h);
@@ -298,15 +293,13 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
             }
             continue;
           }
-          float* acc = accs[cur];
-          cur ^= 1;
           _tile_stored(4, acc, 128);
           _tile_stored(5, acc + 16, 128);
           if (two) {
             _tile_stored(6, acc + 16 * 32, 128);
             _tile_stored(7, acc + 16 * 32 + 16, 128);
           }
-          pending = {r0, std::min<int64_t>(two ? 32 : 16, M - r0), 0, c0, j, cols, acc};
+          pending = {r0, std::min<int64_t>(two ? 32 : 16, M - r0), 0, c0, j, cols};
         }
        }
       }

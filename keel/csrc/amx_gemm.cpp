@@ -38,6 +38,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -143,10 +144,12 @@ inline void widen_int4_tile(const uint8_t* src, uint16_t* dst) {
 constexpr int64_t kPanelRows = 128, kPanelRowsL1 = 512;
 constexpr int64_t kL1Slices = 20;  // a pair of 20 slices is 40 KB of tiles (L1 holds 48)
 
-template <typename PairWeight>
+template <int Terms = 1, typename TOut = c10::BFloat16, typename PairWeight>
 void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t M, int64_t K,
-                    int64_t n, const float* bf, const c10::BFloat16* bh, c10::BFloat16* op,
-                    bool stream_ahead, bool silu, int64_t chunk, const PairWeight& pair_weight) {
+                    int64_t n, const float* bf, const c10::BFloat16* bh, TOut* op,
+                    bool stream_ahead, bool silu, int64_t chunk, const PairWeight& pair_weight,
+                    int64_t term_stride = 0) {
+  constexpr bool f32_out = std::is_same_v<TOut, float>;
   const int64_t M16 = (M + 15) / 16 * 16, full = M / 16 * 16;
   const int64_t pairs = (n + 31) / 32, slices = K / 32;
   const int64_t blocks32 = (M16 + 31) / 32;
@@ -178,6 +181,23 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
     } pending;
     auto finish = [&](Pending& p, int64_t upto) {
       const int64_t c0 = p.c0;
+      if constexpr (f32_out) {  // float32 sums as they are (amx_gemm_f32): no rounding
+        for (int64_t r = p.done; r < upto; ++r) {
+          __m512 v[2];
+          for (int h = 0; h < 2; ++h) {
+            v[h] = _mm512_load_ps(acc + r * 32 + h * 16);
+            if (bf != nullptr && (silu || h * 16 < p.cols))
+              v[h] = _mm512_add_ps(v[h], _mm512_loadu_ps(bf + c0 + h * 16));
+          }
+          if (silu) {
+            _mm512_storeu_ps(op + (p.r0 + r) * (n / 2) + p.j * 16,
+                             _mm512_mul_ps(keel::silu16(v[0]), v[1]));
+          } else {
+            float* dst = op + (p.r0 + r) * n + c0;
+            for (int64_t h = 0; h < p.cols; h += 16) _mm512_storeu_ps(dst + h, v[h / 16]);
+          }
+        }
+      } else {
       for (int64_t r = p.done; silu && r < upto; ++r) {
         __m512 gu[2];
         for (int h = 0; h < 2; ++h) {  // gate, then up: as the GEMM's bfloat16 output
@@ -205,6 +225,7 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + h),
                               (__m256i)_mm512_cvtneps_pbh(v));
         }
+      }
       }
       if (upto > p.done) p.done = upto;
     };
@@ -265,19 +286,25 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
               _mm_prefetch(next + line * 64, _MM_HINT_T1);
             _tile_loadd(2, ws, 64);
             _tile_loadd(3, ws + 512, 64);
-            if (pair_in_l1)
-              _tile_stream_loadd(0, x0 + s * 32, K * 2);
-            else
-              _tile_loadd(0, x0 + s * 32, K * 2);
-            _tile_dpbf16ps(4, 0, 2);
-            _tile_dpbf16ps(5, 0, 3);
-            if (two) {
+            // Terms > 1: x is float32 split into that many bfloat16 parts, term_stride apart,
+            // each multiplied by the same weight tiles into the same sums (amx_gemm_f32).
+            for (int t = 0; t < Terms; ++t) {
+              const c10::BFloat16* xt0 = x0 + t * term_stride + s * 32;
               if (pair_in_l1)
-                _tile_stream_loadd(1, x1 + s * 32, K * 2);
+                _tile_stream_loadd(0, xt0, K * 2);
               else
-                _tile_loadd(1, x1 + s * 32, K * 2);
-              _tile_dpbf16ps(6, 1, 2);
-              _tile_dpbf16ps(7, 1, 3);
+                _tile_loadd(0, xt0, K * 2);
+              _tile_dpbf16ps(4, 0, 2);
+              _tile_dpbf16ps(5, 0, 3);
+              if (two) {
+                const c10::BFloat16* xt1 = x1 + t * term_stride + s * 32;
+                if (pair_in_l1)
+                  _tile_stream_loadd(1, xt1, K * 2);
+                else
+                  _tile_loadd(1, xt1, K * 2);
+                _tile_dpbf16ps(6, 1, 2);
+                _tile_dpbf16ps(7, 1, 3);
+              }
             }
             // The previous block's rows, a share per slice, beside these products.
             if (pending.done < pending.rows)
@@ -515,6 +542,69 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
     amx_gemm_tiles(xp, tail, M, K, n, bf, bh, op, true, silu_mul, slices,
                    [&](int64_t j, int64_t s0, int64_t) { return wp + (j * slices + s0) * 1024; });
   }
+#endif
+  return out;
+}
+
+// float32 x @ W^T on the tile unit, for a weight whose values are all bfloat16 (a bfloat16
+// checkpoint run in float32): x is split into three bfloat16 parts, x = x1 + x2 + x3 with
+// x1 = bf16(x), x2 = bf16(x - x1), x3 = bf16(x - x1 - x2) (each difference exact in float32),
+// which carry x's 24 significant bits; every product of a part and a weight is exact in
+// float32, and the tile unit sums them in float32. The result is a float32 GEMM's to float32
+// rounding, in another order of summation (the three parts of each k together), as keel's
+// and oneDNN's float32 GEMMs differ from each other. Three tile products per weight tile, but
+// the tile unit's products run ~10x float32 FMAs'.
+at::Tensor amx_gemm_f32(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,
+                        bool silu_mul) {
+  TORCH_CHECK(amx_gemm_available(), "amx_gemm_f32: this build or CPU has no AMX-BF16 tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat &&
+                  packed.scalar_type() == at::kBFloat16,
+              "amx_gemm_f32: float32 x [M, K] and amx_gemm_pack's bfloat16 weight expected");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && n % 16 == 0 && n > 0, "amx_gemm_f32: K % 32 == 0 and N % 16 == 0");
+  const int64_t pairs = (n + 31) / 32, slices = K / 32;
+  TORCH_CHECK(packed.numel() == pairs * slices * 1024, "amx_gemm_f32: packed weight of another shape");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                "amx_gemm_f32: one float32 bias per output column, contiguous");
+  TORCH_CHECK(!silu_mul || n % 32 == 0,
+              "amx_gemm_f32: silu_mul needs whole pairs of [16 gate | 16 up] columns");
+  at::Tensor out = at::empty({M, silu_mul ? n / 2 : n}, x.options());
+  if (M == 0) return out;
+#if KEEL_AMX
+  const int64_t M16 = (M + 15) / 16 * 16;
+  const at::Tensor xc = x.contiguous();
+  const float* xf = xc.data_ptr<float>();
+  // The three parts, [3][M16][K], rows past M zero, in a buffer the calling thread keeps.
+  static thread_local std::vector<c10::BFloat16> parts;
+  parts.resize(3 * M16 * K + 32);
+  auto* base = reinterpret_cast<c10::BFloat16*>(
+      (reinterpret_cast<uintptr_t>(parts.data()) + 63) & ~uintptr_t{63});
+  const int64_t stride = M16 * K;
+  at::parallel_for(0, M16, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      auto* p0 = reinterpret_cast<__m256i*>(base + r * K);
+      auto* p1 = reinterpret_cast<__m256i*>(base + stride + r * K);
+      auto* p2 = reinterpret_cast<__m256i*>(base + 2 * stride + r * K);
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512 v = r < M ? _mm512_loadu_ps(xf + r * K + k) : _mm512_setzero_ps();
+        const __m256bh a = _mm512_cvtneps_pbh(v);
+        const __m512 r1 = _mm512_sub_ps(v, _mm512_cvtpbh_ps(a));
+        const __m256bh c = _mm512_cvtneps_pbh(r1);
+        const __m256bh d = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, _mm512_cvtpbh_ps(c)));
+        _mm256_storeu_si256(p0 + k / 16, (__m256i)a);
+        _mm256_storeu_si256(p1 + k / 16, (__m256i)c);
+        _mm256_storeu_si256(p2 + k / 16, (__m256i)d);
+      }
+    }
+  });
+  const auto* wp = packed.data_ptr<c10::BFloat16>();
+  amx_gemm_tiles<3, float>(base, base + M / 16 * 16 * K, M, K, n,
+                           has_bias ? bias->data_ptr<float>() : nullptr, nullptr,
+                           out.data_ptr<float>(), true, silu_mul, slices,
+                           [&](int64_t j, int64_t s0, int64_t) { return wp + (j * slices + s0) * 1024; },
+                           stride);
 #endif
   return out;
 }

@@ -84,6 +84,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm", &amx_gemm, "bfloat16 x @ W^T (+ bias) on AMX tiles",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("silu_mul") = false);
+  m.def("amx_gemm_f32", &amx_gemm_f32,
+        "float32 x @ W^T (+ bias) on AMX tiles, W all bfloat16 values, x in three bfloat16 parts",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
+        py::arg("silu_mul") = false);
   m.def("amx_gemm_available", &amx_gemm_available, "whether this build and CPU run amx_gemm");
   m.def("prefill_attention_amx_available", &prefill_attention_amx_available,
         "whether this build and CPU run prefill_attention_amx");

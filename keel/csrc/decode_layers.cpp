@@ -75,6 +75,10 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
   if (amx_rows > 0 && !amx_silu && rows <= amx_rows && x.scalar_type() == at::kBFloat16)
     return amx_gemm(x, amx, amx_n, bias.defined() ? std::optional<at::Tensor>(bias)
                                                   : std::nullopt);
+  // A float32 layer of bfloat16 values: its float32 passes on the tiles (amx_gemm_f32).
+  if (amx_rows > 0 && !amx_silu && rows <= amx_rows && x.scalar_type() == at::kFloat)
+    return amx_gemm_f32(x, amx, amx_n,
+                        bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, false);
   // A bfloat16 pass over keel's panels or oneDNN's upcast: in float32, rounded back once.
   const bool upcast = (gemm_rows > 0 || float32_compute) && x.scalar_type() != at::kFloat;
   const at::Tensor xin = upcast ? x.to(at::kFloat) : x;
@@ -94,6 +98,11 @@ at::Tensor PlanLinear::silu_mul(const at::Tensor& x) const {
     return amx_gemm(x, amx, amx_n,
                     amx_bias.defined() ? std::optional<at::Tensor>(amx_bias) : std::nullopt,
                     true);
+  if (amx_silu && amx_rows > 0 && x.size(0) <= amx_rows && x.scalar_type() == at::kFloat &&
+      !(max_rows > 0 && x.size(0) <= max_rows))
+    return amx_gemm_f32(x, amx, amx_n,
+                        amx_bias.defined() ? std::optional<at::Tensor>(amx_bias) : std::nullopt,
+                        true);
   // keel's panels in float32, as the Python layer's gemm_silu (layers/linear.py) chooses it.
   if (w8a8.isNone() && !(max_rows > 0 && x.size(0) <= max_rows) && gemm_rows > 0 &&
       gemm_rows % 32 == 0 && x.scalar_type() == at::kFloat)

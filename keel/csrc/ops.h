@@ -69,4 +69,8 @@ at::Tensor amx_gemm_pack_int8(at::Tensor q, at::Tensor d, at::Tensor dense);
 // rows 16j..), and the result is silu(gate) * up [M, N / 2], as silu_and_mul of the GEMM.
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,
                     bool silu_mul = false);
+// float32 x [M, K] @ W^T (+ float32 bias) -> float32 [M, N] (silu_mul: [M, N / 2]) on the same
+// tiles, W's values all bfloat16 (amx_gemm_pack of it), x split into three bfloat16 parts.
+at::Tensor amx_gemm_f32(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,
+                        bool silu_mul);
 bool amx_gemm_available();

@@ -62,12 +62,16 @@ def _plan_linear(ops: Any, linear: Any, dtype: torch.dtype) -> Any:
             return None
         max_rows = w.max_rows if linear.has_dense() else ALL_ROWS
     weight = linear.weight if linear.weight.numel() else None
-    amx = linear.amx_weight if dtype == torch.bfloat16 else None
+    # A bfloat16 model's AMX copy takes the passes amx_max_rows allows; a float32 layer's
+    # (amx_f32: bfloat16 values) every float32 pass, on amx_gemm_f32.
+    f32 = linear.amx_f32 and dtype == torch.float32
+    amx = linear.amx_weight if dtype == torch.bfloat16 or f32 else None
     return ops.PlanLinear(q, d, m, max_rows, quantization.ACTIVATION_PARTS,
                           linear.packed_weight, weight, linear.bias,
                           gemm_rows=linear.packed_rows if linear.packed_by == "keel" else 0,
                           float32_compute=linear.packed_by == "onednn-upcast", amx=amx,
-                          amx_rows=amx_max_rows(amx) if amx is not None else 0,
+                          amx_rows=(ALL_ROWS if f32 else amx_max_rows(amx)) if amx is not None
+                          else 0,
                           amx_n=linear.packed_rows, amx_silu=amx is not None and linear.amx_silu,
                           amx_bias=linear.amx_bias)
 

@@ -250,6 +250,50 @@ def amx_long_chosen() -> bool:
     return _amx_long_faster
 
 
+_amx_f32_faster: bool | None = None  # amx_f32_chosen
+
+
+def amx_f32_chosen() -> bool:
+    """Whether float32 layers whose weights are all bfloat16 values (a bfloat16 checkpoint run
+    in float32) also keep a bfloat16 tile copy, on which keel's AMX GEMM computes every pass in
+    float32 (csrc/amx_gemm.cpp amx_gemm_f32: x in three bfloat16 parts, float32 sums): built,
+    with AMX tiles, and measured faster than keel's float32 GEMM at 64 x 1536 x 576 (once per
+    process). On an AMX Xeon 30 layers' GEMMs went 52 -> 27 ms at 64 rows and 1.8x faster at
+    2,048 (BENCHMARKS.md, thirty-eighth round). KEEL_AMX_F32=0 / 1 forces it."""
+    global _amx_f32_faster, _keel_ops
+    if _amx_f32_faster is None:
+        forced = _forced_choice("KEEL_AMX_F32", "float32 GEMMs in float32 FMAs",
+                                "on the AMX tiles")
+        _amx_f32_faster = False
+        from keel.cpu_ops import get_cpu_ops
+
+        ops = get_cpu_ops()
+        if forced is not False and _gemm_mode() != "torch" and ops is not None \
+                and hasattr(ops, "amx_gemm_f32") and ops.amx_gemm_available():
+            _keel_ops = ops
+            _amx_f32_faster = True if forced else _amx_f32_measured_faster(ops)
+            logger.info("float32 layers with bfloat16 weights: %s", "AMX tiles (x in three "
+                        "bfloat16 parts)" if _amx_f32_faster else "float32 FMAs")
+    return _amx_f32_faster
+
+
+def _amx_f32_measured_faster(ops: Any) -> bool:
+    from keel.utils import best_seconds
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(1536, 576, generator=g) * 0.05).bfloat16()
+    x = torch.randn(64, 576, generator=g)
+    amx = ops.amx_gemm_pack(w)
+    if ops.gemm_available():
+        packed = ops.gemm_pack(w.float())
+        other = lambda: ops.gemm(x, packed, 1536)
+    else:
+        wf = w.float()
+        other = lambda: torch.nn.functional.linear(x, wf)
+    return _faster(lambda: best_seconds(lambda: ops.amx_gemm_f32(x, amx, 1536), 5),
+                   lambda: best_seconds(other, 5), rounds=2)
+
+
 def _amx_prompt_forced() -> bool | None:
     return _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN", "on keel's AMX GEMM")
 

@@ -80,6 +80,8 @@ class LinearBase(nn.Module):
         self.silu_pairs = False
         self.amx_silu = False
         self.amx_bias: torch.Tensor | None = None
+        # The copy is for float32 passes (amx_gemm_f32: a float32 layer of bfloat16 values).
+        self.amx_f32 = False
         # Weights kept quantized (keel/model_executor/quantize_model.py); then no dense copy.
         self.quant: QuantizedWeight | None = None
         # A folder converted from a .gguf: the file's int4 groups (keel's form) for the AMX
@@ -149,6 +151,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 and not (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):
             return gemm_choice._keel_ops.amx_gemm(x, self.amx_weight, self.packed_rows,
                                                   self.amx_bias, True)
+        if (self.amx_silu and self.amx_f32 and x.dtype == torch.float32 and x.dim() == 2
+                and not (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):
+            return gemm_choice._keel_ops.amx_gemm_f32(x, self.amx_weight, self.packed_rows,
+                                                      self.amx_bias, True)
         if (self.packed_by != "keel" or x.dtype != torch.float32 or x.dim() != 2
                 or self.packed_rows % 32 or len(set(self.output_sizes)) != 1
                 or len(self.output_sizes) != 2

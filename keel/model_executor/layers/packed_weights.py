@@ -68,14 +68,41 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
     else:
         return
     module.packed_rows = w.shape[0]
+    if amx and w.dtype == torch.float32:
+        _amx_f32_copy(module, w.detach())
     if release_dense:
         module.weight = nn.Parameter(w.new_empty(0), False)
+
+
+def _amx_f32_copy(module: nn.Module, w: torch.Tensor) -> None:
+    """A float32 weight whose values are all bfloat16 (a bfloat16 checkpoint run in float32)
+    also gets a bfloat16 tile copy where amx_f32_chosen: float32 passes then run on the AMX
+    tiles (amx_gemm_f32, float32 results), every row count. A [gate; up] layer's copy has its
+    rows interleaved by 16 (amx_silu, with amx_bias alike) as in bfloat16."""
+    n, k = w.shape
+    if n % 16 or k % 32 or not choice.amx_f32_chosen():
+        return
+    w16 = w.bfloat16()
+    if not torch.equal(w16.float(), w):
+        return  # not a bfloat16 checkpoint's values: the copy would round them
+    pairs = getattr(module, "silu_pairs", False) and n % 32 == 0
+    order = choice.silu_pair_order(n) if pairs else None
+    copy = choice._keel_ops.amx_gemm_pack((w16 if order is None else w16[order]).contiguous())
+    if not choice._amx_budget(copy.numel() * copy.element_size()):
+        return
+    module.amx_weight, module.amx_silu, module.amx_f32 = copy, pairs, True
+    if pairs and module.bias is not None:
+        module.amx_bias = module.bias.detach()[order].float().contiguous()
 
 
 def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ packed weight (+ bias); in float32 for a bfloat16 weight computed in float32,
     rounded back."""
     amx = getattr(module, "amx_weight", None)
+    if (amx is not None and getattr(module, "amx_f32", False) and not module.amx_silu
+            and x.dim() == 2 and x.dtype == torch.float32):
+        return choice._keel_ops.amx_gemm_f32(x, amx, module.packed_rows,
+                                             None if bias is None else bias.float())
     if (amx is not None and not getattr(module, "amx_silu", False) and x.dim() == 2
             and x.dtype == torch.bfloat16 and choice.amx_takes(amx, x.shape[0])):
         return choice._keel_ops.amx_gemm(x, amx, module.packed_rows, bias)

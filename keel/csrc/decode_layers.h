@@ -27,13 +27,13 @@ struct PlanLinear {
   at::Tensor packed, weight, bias;  // packed / dense weight, bias; each may be undefined
   int64_t gemm_rows = 0;  // > 0: `packed` is keel's gemm_pack panels of this many rows
   // A bfloat16 pass computed in float32 and rounded back (keel's panels, or oneDNN's
-  // float32 upcast), as layers/gemm_choice.py cpu_gemm does.
+  // float32 upcast), as layers/packed_weights.py cpu_gemm does.
   bool float32_compute = false;
   // quantization="w8a8": fbgemm's packed int8 weight (a LinearPackedParams script object),
   // run as quantized_linear runs it, at every pass size; None otherwise.
   c10::IValue w8a8;
   // bfloat16 passes of up to amx_rows rows: keel's AMX GEMM over `amx` (amx_gemm_pack of the
-  // [amx_n, K] weight), as layers/gemm_choice.py cpu_gemm takes it.
+  // [amx_n, K] weight), as layers/packed_weights.py cpu_gemm takes it.
   at::Tensor amx;
   int64_t amx_rows = 0, amx_n = 0;
   // `amx` is a [gate; up] layer's rows interleaved by 16 (amx_gemm's silu_mul form, with

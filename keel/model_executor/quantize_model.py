@@ -28,7 +28,7 @@ from torch import nn
 
 from keel.model_executor.gguf_loader import HEAD_INT8_FILE, INT4_FILE, TYPES_FILE
 from keel.model_executor.gguf_quant import INT4_TYPES, INT8_TYPES
-from keel.model_executor.layers.gemm_choice import amx_compressed_copy_chosen, amx_gemm_chosen
+from keel.model_executor.layers.amx_choice import amx_compressed_copy_chosen, amx_gemm_chosen
 from keel.model_executor.layers.linear import LinearBase
 from keel.model_executor.layers.packed_weights import cpu_gemm
 from keel.model_executor.layers.quantization import (

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from keel.cpu_ops import get_cpu_ops
+from keel.model_executor.layers import amx_choice
 from keel.model_executor.layers import gemm_choice as linear_mod
 from keel.model_executor.layers.linear import ColumnParallelLinear
 from keel.model_executor.layers.packed_weights import pack_for_cpu_gemm
@@ -61,18 +62,18 @@ def test_layer_takes_it_for_short_passes_or_all(ops, monkeypatch, prompt):
     """A bfloat16 layer keeps oneDNN's packed weight and, where the AMX GEMM is chosen, its
     tile copy: passes of up to AMX_GEMM_MAX_ROWS rows go to amx_gemm, longer ones too where
     amx_prompt_chosen (else to oneDNN); all match the dense product."""
-    monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
-    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", prompt)
-    monkeypatch.setattr(linear_mod, "_amx_long_faster", prompt)
-    monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1 << 30)
+    monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
+    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", prompt)
+    monkeypatch.setattr(amx_choice, "_amx_long_faster", prompt)
+    monkeypatch.setattr(amx_choice, "_amx_bytes_left", 1 << 30)
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
     layer = ColumnParallelLinear(96, 80, bias=True, dtype=torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=0.05)
     torch.nn.init.normal_(layer.bias)
     dense_w, dense_b = layer.weight.detach().clone(), layer.bias.detach().clone()
     if not ops.amx_gemm_available():
-        monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
-        assert not linear_mod.amx_gemm_chosen()  # no tiles: never chosen
+        monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
+        assert not amx_choice.amx_gemm_chosen()  # no tiles: never chosen
         return
     pack_for_cpu_gemm(layer)
     if layer.packed_by != "onednn":
@@ -90,10 +91,10 @@ def test_layer_takes_it_for_short_passes_or_all(ops, monkeypatch, prompt):
 
 
 def test_copies_stop_at_the_memory_budget(monkeypatch):
-    monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1000)
-    assert linear_mod._amx_budget(600)
-    assert not linear_mod._amx_budget(600)  # 400 left
-    assert not linear_mod._amx_budget(10)  # stopped for good
+    monkeypatch.setattr(amx_choice, "_amx_bytes_left", 1000)
+    assert amx_choice._amx_budget(600)
+    assert not amx_choice._amx_budget(600)  # 400 left
+    assert not amx_choice._amx_budget(10)  # stopped for good
 
 
 def int4_weight(n, k, g, half=True):
@@ -134,18 +135,18 @@ def test_quantized_layer_keeps_the_int4_copy(ops, monkeypatch):
     bfloat16 one), and its short passes are bit-identical to the bfloat16 copy's."""
     from keel.model_executor.layers.quantization import pack_int4_pairs
 
-    monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
-    monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1 << 30)
+    monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
+    monkeypatch.setattr(amx_choice, "_amx_bytes_left", 1 << 30)
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
     if not ops.amx_gemm_available():
-        monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
-        assert not linear_mod.amx_gemm_chosen()  # no tiles: no copy of either kind
+        monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
+        assert not amx_choice.amx_gemm_chosen()  # no tiles: no copy of either kind
         return
     g = torch.Generator().manual_seed(3)
     pairs, d, mins, w = int4_weight(96, 128, g)
     x = torch.randn(20, 128, generator=g).bfloat16()
     for faster in (True, False):  # as amx_compressed_copy_chosen measured it on this CPU
-        monkeypatch.setattr(linear_mod, "_compressed_faster", {"int4": faster})
+        monkeypatch.setattr(amx_choice, "_compressed_faster", {"int4": faster})
         layer = ColumnParallelLinear(128, 96, bias=False, dtype=torch.bfloat16)
         layer.weight.data.copy_(w)
         # pack_int4_pairs takes pack_int4's (scale, zero) form: zero = m + 8 d
@@ -165,30 +166,30 @@ def test_compressed_copies_are_chosen_by_measuring(ops, monkeypatch):
     copy (once per process and kind); KEEL_AMX_COMPRESSED forces the answer."""
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
     if not ops.amx_gemm_available():  # no tiles: no AMX GEMM, so no copy of either kind
-        monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
-        assert not linear_mod.amx_gemm_chosen()
+        monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
+        assert not amx_choice.amx_gemm_chosen()
         return
-    real, calls = linear_mod._time_compressed_copy, []
+    real, calls = amx_choice._time_compressed_copy, []
 
     def timed(kind):
         calls.append(kind)
         return kind == "int4"
 
-    monkeypatch.setattr(linear_mod, "_time_compressed_copy", timed)
-    monkeypatch.setattr(linear_mod, "_compressed_faster", {})
+    monkeypatch.setattr(amx_choice, "_time_compressed_copy", timed)
+    monkeypatch.setattr(amx_choice, "_compressed_faster", {})
     monkeypatch.delenv("KEEL_AMX_COMPRESSED", raising=False)
-    assert linear_mod.amx_compressed_copy_chosen("int4")
-    assert not linear_mod.amx_compressed_copy_chosen("int8")
-    assert linear_mod.amx_compressed_copy_chosen("int4") and calls == ["int4", "int8"]
-    monkeypatch.setattr(linear_mod, "_compressed_faster", {})
+    assert amx_choice.amx_compressed_copy_chosen("int4")
+    assert not amx_choice.amx_compressed_copy_chosen("int8")
+    assert amx_choice.amx_compressed_copy_chosen("int4") and calls == ["int4", "int8"]
+    monkeypatch.setattr(amx_choice, "_compressed_faster", {})
     monkeypatch.setenv("KEEL_AMX_COMPRESSED", "0")
-    assert not linear_mod.amx_compressed_copy_chosen("int4") and len(calls) == 2
+    assert not amx_choice.amx_compressed_copy_chosen("int4") and len(calls) == 2
     # Any other value is a clear error (it was silently measured), and nothing is cached.
-    monkeypatch.setattr(linear_mod, "_compressed_faster", {})
+    monkeypatch.setattr(amx_choice, "_compressed_faster", {})
     monkeypatch.setenv("KEEL_AMX_COMPRESSED", "yes")
     with pytest.raises(ValueError, match="KEEL_AMX_COMPRESSED='yes': expected 0"):
-        linear_mod.amx_compressed_copy_chosen("int8")
-    assert linear_mod._compressed_faster == {} and len(calls) == 2
+        amx_choice.amx_compressed_copy_chosen("int8")
+    assert amx_choice._compressed_faster == {} and len(calls) == 2
     # The real measurement runs on both kinds (which answer depends on the CPU).
     assert all(isinstance(real(kind, layers=2), bool) for kind in ("int4", "int8"))
 
@@ -205,15 +206,15 @@ def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4,
     from keel.model_executor.layers.linear import MergedColumnParallelLinear
     from keel.model_executor.layers.quantization import pack_int4_pairs
 
-    monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
-    monkeypatch.setattr(linear_mod, "_amx_bytes_left", 1 << 30)
+    monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
+    monkeypatch.setattr(amx_choice, "_amx_bytes_left", 1 << 30)
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
-    monkeypatch.setattr(linear_mod, "_compressed_faster", {"int4": True})
-    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", True)
-    monkeypatch.setattr(linear_mod, "_amx_long_faster", True)
+    monkeypatch.setattr(amx_choice, "_compressed_faster", {"int4": True})
+    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", True)
+    monkeypatch.setattr(amx_choice, "_amx_long_faster", True)
     if not ops.amx_gemm_available():
-        monkeypatch.setattr(linear_mod, "_amx_gemm_faster", None)
-        assert not linear_mod.amx_gemm_chosen()
+        monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
+        assert not amx_choice.amx_gemm_chosen()
         return
     g = torch.Generator().manual_seed(m)
     inter, k = 96, 128
@@ -234,7 +235,7 @@ def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4,
                          None if bias is None else layer.bias.to(bias))
     want = ops.silu_and_mul(plain)
     got = layer.gemm_silu(x)
-    if int4 and m > linear_mod.AMX_GEMM_MAX_ROWS:
+    if int4 and m > amx_choice.AMX_GEMM_MAX_ROWS:
         assert got is None
     else:
         assert got.shape == (m, inter) and torch.equal(got, want)
@@ -292,51 +293,51 @@ def test_prompt_passes_are_chosen_by_measuring(ops, monkeypatch):
     measured at 2,048), never without the AMX GEMM for decode passes; KEEL_AMX_PROMPT forces
     the answer."""
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
-    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
-    monkeypatch.setattr(linear_mod, "_amx_gemm_faster", False)
+    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
+    monkeypatch.setattr(amx_choice, "_amx_gemm_faster", False)
     monkeypatch.setenv("KEEL_AMX_PROMPT", "1")
-    assert not linear_mod.amx_prompt_chosen()  # no AMX GEMM at all: not for prompts either
-    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
+    assert not amx_choice.amx_prompt_chosen()  # no AMX GEMM at all: not for prompts either
+    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
     monkeypatch.setenv("KEEL_AMX_PROMPT", "on")  # a bad value is refused without AMX too
     with pytest.raises(ValueError, match="KEEL_AMX_PROMPT='on': expected 0"):
-        linear_mod.amx_prompt_chosen()
+        amx_choice.amx_prompt_chosen()
     if not ops.amx_gemm_available():
         return
-    monkeypatch.setattr(linear_mod, "_amx_gemm_faster", True)
-    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
+    monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
+    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
     monkeypatch.setenv("KEEL_AMX_PROMPT", "yes")
     with pytest.raises(ValueError, match="KEEL_AMX_PROMPT='yes': expected 0"):
-        linear_mod.amx_prompt_chosen()
+        amx_choice.amx_prompt_chosen()
     for forced in ("0", "1"):
-        monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
+        monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
         monkeypatch.setenv("KEEL_AMX_PROMPT", forced)
-        assert linear_mod.amx_prompt_chosen() == (forced == "1")
+        assert amx_choice.amx_prompt_chosen() == (forced == "1")
     # Measured: keel's faster at 512 rows, oneDNN at 2,048 -> keel up to the split only.
     calls = []
-    monkeypatch.setattr(linear_mod, "_time_prompt_mlp",
+    monkeypatch.setattr(amx_choice, "_time_prompt_mlp",
                         lambda kernel, rows=512: lambda: calls.append((kernel, rows)) or (
                             (1.0 if kernel == "amx" else 2.0) * (1 if rows == 512 else -1)))
-    monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
-    monkeypatch.setattr(linear_mod, "_amx_long_faster", None)
+    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
+    monkeypatch.setattr(amx_choice, "_amx_long_faster", None)
     monkeypatch.delenv("KEEL_AMX_PROMPT")
-    assert linear_mod.amx_prompt_chosen() and linear_mod.amx_prompt_chosen()
-    assert not linear_mod.amx_long_chosen() and not linear_mod.amx_long_chosen()
+    assert amx_choice.amx_prompt_chosen() and amx_choice.amx_prompt_chosen()
+    assert not amx_choice.amx_long_chosen() and not amx_choice.amx_long_chosen()
     assert sorted(set(calls)) == [("amx", 512), ("amx", 2048), ("onednn", 512),
                                   ("onednn", 2048)] and len(calls) == 8  # 2 rounds, once
-    split = linear_mod.AMX_PROMPT_SPLIT_ROWS
+    split = amx_choice.AMX_PROMPT_SPLIT_ROWS
     bf16 = torch.empty(0, dtype=torch.bfloat16)
-    assert linear_mod.amx_takes(bf16, 65) and linear_mod.amx_takes(bf16, split)
-    assert not linear_mod.amx_takes(bf16, split + 1)
-    monkeypatch.setattr(linear_mod, "_amx_long_faster", True)
-    assert linear_mod.amx_takes(bf16, 1 << 20)
+    assert amx_choice.amx_takes(bf16, 65) and amx_choice.amx_takes(bf16, split)
+    assert not amx_choice.amx_takes(bf16, split + 1)
+    monkeypatch.setattr(amx_choice, "_amx_long_faster", True)
+    assert amx_choice.amx_takes(bf16, 1 << 20)
     # An int4 copy never takes a prompt pass, whatever was chosen.
-    assert not linear_mod.amx_takes(torch.empty(0, dtype=torch.uint8), 65)
+    assert not amx_choice.amx_takes(torch.empty(0, dtype=torch.uint8), 65)
     # Forced, both choices follow KEEL_AMX_PROMPT; without a prompt choice, no long one.
     for forced in ("0", "1"):
         monkeypatch.setenv("KEEL_AMX_PROMPT", forced)
-        monkeypatch.setattr(linear_mod, "_amx_prompt_faster", None)
-        monkeypatch.setattr(linear_mod, "_amx_long_faster", None)
-        assert linear_mod.amx_long_chosen() == (forced == "1")
+        monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
+        monkeypatch.setattr(amx_choice, "_amx_long_faster", None)
+        assert amx_choice.amx_long_chosen() == (forced == "1")
 
 
 def test_prompt_mlp_timing_runs(ops, monkeypatch):
@@ -345,7 +346,7 @@ def test_prompt_mlp_timing_runs(ops, monkeypatch):
     if not ops.amx_gemm_available():
         return
     for kernel in ("amx", "onednn"):
-        t = linear_mod._time_prompt_mlp(kernel, rows=64, inter=128, hidden=64)()
+        t = amx_choice._time_prompt_mlp(kernel, rows=64, inter=128, hidden=64)()
         assert 0 < t < 10
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from keel.cpu_ops import get_cpu_ops
-from keel.model_executor.layers import gemm_choice
+from keel.model_executor.layers import amx_choice
 from keel.model_executor.layers.gemm_choice import silu_pair_order
 from keel.model_executor.layers.linear import ColumnParallelLinear
 from keel.model_executor.layers.packed_weights import cpu_gemm, pack_for_cpu_gemm
@@ -63,7 +63,7 @@ def test_arguments_are_checked(ops):
 @pytest.mark.parametrize("values", ["bfloat16", "float32"])
 def test_layer_copy_only_for_bfloat16_values(ops, monkeypatch, values):
     monkeypatch.setenv("KEEL_AMX_F32", "1")
-    monkeypatch.setattr(gemm_choice, "_amx_f32_faster", None)
+    monkeypatch.setattr(amx_choice, "_amx_f32_faster", None)
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 64, generator=g) * 0.05
     if values == "bfloat16":
@@ -83,9 +83,9 @@ def test_layer_copy_only_for_bfloat16_values(ops, monkeypatch, values):
 
 def test_bad_choice_value_is_refused(monkeypatch):
     monkeypatch.setenv("KEEL_AMX_F32", "yes")
-    monkeypatch.setattr(gemm_choice, "_amx_f32_faster", None)
+    monkeypatch.setattr(amx_choice, "_amx_f32_faster", None)
     with pytest.raises(ValueError, match="KEEL_AMX_F32"):
-        gemm_choice.amx_f32_chosen()
+        amx_choice.amx_f32_chosen()
 
 
 def test_bfloat16_checkpoint_in_float32_gives_transformers_tokens(ops, tmp_path, monkeypatch):
@@ -100,7 +100,7 @@ def test_bfloat16_checkpoint_in_float32_gives_transformers_tokens(ops, tmp_path,
     from tests.model_executor.test_models import hf_greedy
 
     monkeypatch.setenv("KEEL_AMX_F32", "1")
-    monkeypatch.setattr(gemm_choice, "_amx_f32_faster", None)
+    monkeypatch.setattr(amx_choice, "_amx_f32_faster", None)
     folder = make_hf_model("llama", tmp_path / "llama")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     model.to(torch.bfloat16).save_pretrained(folder)

@@ -14,6 +14,7 @@ import torch
 
 from keel import LLM, SamplingParams
 from keel.model_executor import quantize_model
+from keel.model_executor.layers import amx_choice
 from keel.model_executor.layers import fused_decode as fused_mod
 from keel.model_executor.layers.quantization import _keel_ops
 
@@ -146,9 +147,9 @@ def test_bit_identical_past_64_rows(prompt_on_amx, hf_model_dir, monkeypatch):
     ops = get_cpu_ops()
     if ops is not None and ops.amx_gemm_available():
         monkeypatch.setattr(gemm_choice, "_keel_ops", ops)
-        monkeypatch.setattr(gemm_choice, "_amx_gemm_faster", True)
-    monkeypatch.setattr(gemm_choice, "_amx_prompt_faster", prompt_on_amx)
-    monkeypatch.setattr(gemm_choice, "_amx_long_faster", prompt_on_amx)
+        monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
+    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", prompt_on_amx)
+    monkeypatch.setattr(amx_choice, "_amx_long_faster", prompt_on_amx)
     prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(4 + i % 9)] for i in range(70)]
     folder = hf_model_dir("llama")
     # The rows each planned layer gives the AMX GEMM (on these tiny layers the two GEMMs may
@@ -177,5 +178,5 @@ def test_bit_identical_past_64_rows(prompt_on_amx, hf_model_dir, monkeypatch):
     assert on["fused"] >= 39 and off["fused"] == 0, (on, off)
     assert tok_on == tok_off
     assert lp_on == lp_off
-    if gemm_choice._amx_gemm_faster:  # AMX copies were made: every pass or up to 64 rows
+    if amx_choice._amx_gemm_faster:  # AMX copies were made: every pass or up to 64 rows
         assert amx_rows and set(amx_rows) == {1 << 62 if prompt_on_amx else 64}

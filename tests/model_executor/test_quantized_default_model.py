@@ -23,6 +23,7 @@ import torch
 from keel import LLM, SamplingParams
 from keel.config import ModelConfig
 from keel.model_executor.direct import DirectRunner
+from keel.model_executor.layers import amx_choice
 from keel.model_executor.layers.quantization import ALL_ROWS, Int4Weight, Int8Weight
 from keel.model_executor.loader import load_model
 
@@ -198,22 +199,21 @@ def test_converted_folder_offers_its_blocks_to_the_amx_copies(prompts, monkeypat
     head's from its Q8_0 blocks. No layer becomes quantized: the greedy tokens are those of
     the bfloat16 copies (and of oneDNN's GEMM for the head), the logits too."""
     from keel.config import resolve_model_path
-    from keel.model_executor.layers import gemm_choice
 
     folder = str(resolve_model_path(None))
-    monkeypatch.setattr(gemm_choice, "_amx_bytes_left", 1 << 31)
+    monkeypatch.setattr(amx_choice, "_amx_bytes_left", 1 << 31)
     # Prompt chunks on oneDNN for both: the int4 copy leaves them there, and the bfloat16 copy
     # would otherwise take them on the AMX GEMM (amx_prompt_chosen), whose sums round in
     # another order (this file's first prompt then ties in bfloat16: 25.25 / 25.25 for tokens
     # 504 and 60 on oneDNN, 25.625 / 25.375 on the AMX GEMM, 25.33 / 25.24 in float32).
-    monkeypatch.setattr(gemm_choice, "_amx_prompt_faster", False)
+    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", False)
     results = {}
     for faster in (True, False):
-        monkeypatch.setattr(gemm_choice, "_compressed_faster", {"int4": faster, "int8": faster})
+        monkeypatch.setattr(amx_choice, "_compressed_faster", {"int4": faster, "int8": faster})
         model = load_model(ModelConfig(folder, dtype="bfloat16", device="cpu"))
         qkv, head = model.model.layers[0].self_attn.qkv_proj, model.lm_head
         assert qkv.quant is None and head.quant is None and qkv.amx_int4 is None
-        if gemm_choice.amx_gemm_chosen():
+        if amx_choice.amx_gemm_chosen():
             assert qkv.amx_weight.dtype == (torch.uint8 if faster else torch.bfloat16)
             # The head has no bfloat16 AMX copy (it ran no faster than oneDNN's packed one).
             assert (head.amx_weight.dtype if faster else head.amx_weight) == (

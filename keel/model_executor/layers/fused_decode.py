@@ -33,7 +33,7 @@ import torch
 from keel.attention.forward_context import get_forward_context
 from keel.distributed import get_tensor_model_parallel_world_size
 from keel.model_executor.layers import quantization
-from keel.model_executor.layers.gemm_choice import amx_max_rows
+from keel.model_executor.layers.amx_choice import amx_max_rows
 from keel.model_executor.layers.quantization import (
     ALL_ROWS,
     Int4Weight,

@@ -5,7 +5,7 @@ HF tensor (or this rank's slice of it) into the right rows. Merged layers (`qkv_
 `gate_up_proj`) are loaded from the separate HF tensors through `shard_id`.
 
 On the CPU each weight is packed once for the GEMM that runs it: which GEMM is chosen in
-gemm_choice.py; the packing and the call are in packed_weights.py (`pack_for_cpu_gemm`,
+gemm_choice.py (amx_choice.py for the AMX GEMM's copies); the packing and the call are in packed_weights.py (`pack_for_cpu_gemm`,
 `cpu_gemm`).
 """
 
@@ -22,10 +22,12 @@ from keel.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from keel.model_executor.layers import gemm_choice
-from keel.model_executor.layers.gemm_choice import (  # noqa: F401 (re-exported)
+from keel.model_executor.layers import amx_choice, gemm_choice
+from keel.model_executor.layers.amx_choice import (  # noqa: F401 (re-exported)
     AMX_GEMM_MAX_ROWS,
     amx_gemm_chosen,
+)
+from keel.model_executor.layers.gemm_choice import (  # noqa: F401 (re-exported)
     bf16_gemm_in_float32,
     keel_gemm_chosen,
     onednn_gemm_supported,
@@ -147,7 +149,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         that path does not apply: another GEMM, a quantized pass, or widths that are not
         multiples of 16."""
         if (self.amx_silu and x.dtype == torch.bfloat16 and x.dim() == 2
-                and gemm_choice.amx_takes(self.amx_weight, x.shape[0])
+                and amx_choice.amx_takes(self.amx_weight, x.shape[0])
                 and not (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):
             return gemm_choice._keel_ops.amx_gemm(x, self.amx_weight, self.packed_rows,
                                                   self.amx_bias, True)

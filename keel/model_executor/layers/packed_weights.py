@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from keel.model_executor.layers import amx_choice
 from keel.model_executor.layers import gemm_choice as choice
 
 
@@ -27,7 +28,7 @@ def _amx_copy(module: nn.Module, w: torch.Tensor, order: torch.Tensor | None) ->
         w = w[order]
         int4 = None if int4 is None else tuple(t[order] for t in int4)
     if int4 is not None and int4[0].shape[1] * 2 == w.shape[1] \
-            and choice.amx_compressed_copy_chosen("int4"):
+            and amx_choice.amx_compressed_copy_chosen("int4"):
         copy = choice._keel_ops.amx_gemm_pack_int4(*(t.contiguous() for t in int4),
                                                    w.contiguous())
         if copy.numel():
@@ -53,15 +54,15 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
         module.packed_weight, module.packed_by = choice.pack_weight(w), "onednn"
         n, k = w.shape
         if amx and w.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 \
-                and choice.amx_gemm_chosen():
+                and amx_choice.amx_gemm_chosen():
             # A [gate; up] layer that only feeds silu_and_mul: rows interleaved by 16, so that
             # each pair of tiles is 16 gate columns and their 16 up columns (the epilogue).
             pairs = getattr(module, "silu_pairs", False) and n % 32 == 0
             order = choice.silu_pair_order(n) if pairs else None
             copy = _amx_copy(module, w.detach(), order)
-            if choice._amx_budget(copy.numel() * copy.element_size()):
+            if amx_choice._amx_budget(copy.numel() * copy.element_size()):
                 module.amx_weight, module.amx_silu = copy, pairs
-                choice.amx_long_chosen()  # both measured now, at load, not in a prompt
+                amx_choice.amx_long_chosen()  # both measured now, at load, not in a prompt
                 if pairs and module.bias is not None:
                     module.amx_bias = module.bias.detach()[order].contiguous()
         module.amx_int4 = None  # a converted folder's int4 groups were only for the copy
@@ -80,7 +81,7 @@ def _amx_f32_copy(module: nn.Module, w: torch.Tensor) -> None:
     tiles (amx_gemm_f32, float32 results), every row count. A [gate; up] layer's copy has its
     rows interleaved by 16 (amx_silu, with amx_bias alike) as in bfloat16."""
     n, k = w.shape
-    if n % 16 or k % 32 or not choice.amx_f32_chosen():
+    if n % 16 or k % 32 or not amx_choice.amx_f32_chosen():
         return
     w16 = w.bfloat16()
     if not torch.equal(w16.float(), w):
@@ -88,7 +89,7 @@ def _amx_f32_copy(module: nn.Module, w: torch.Tensor) -> None:
     pairs = getattr(module, "silu_pairs", False) and n % 32 == 0
     order = choice.silu_pair_order(n) if pairs else None
     copy = choice._keel_ops.amx_gemm_pack((w16 if order is None else w16[order]).contiguous())
-    if not choice._amx_budget(copy.numel() * copy.element_size()):
+    if not amx_choice._amx_budget(copy.numel() * copy.element_size()):
         return
     module.amx_weight, module.amx_silu, module.amx_f32 = copy, pairs, True
     if pairs and module.bias is not None:
@@ -104,7 +105,7 @@ def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
         return choice._keel_ops.amx_gemm_f32(x, amx, module.packed_rows,
                                              None if bias is None else bias.float())
     if (amx is not None and not getattr(module, "amx_silu", False) and x.dim() == 2
-            and x.dtype == torch.bfloat16 and choice.amx_takes(amx, x.shape[0])):
+            and x.dtype == torch.bfloat16 and amx_choice.amx_takes(amx, x.shape[0])):
         return choice._keel_ops.amx_gemm(x, amx, module.packed_rows, bias)
     if module.packed_by == "keel":
         out = choice._keel_ops.gemm(x.float(), module.packed_weight, module.packed_rows,

@@ -10,7 +10,7 @@ from keel.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from keel.model_executor.layers import gemm_choice
+from keel.model_executor.layers import amx_choice, gemm_choice
 from keel.model_executor.layers.linear import default_weight_loader
 from keel.model_executor.layers.packed_weights import cpu_gemm, pack_for_cpu_gemm
 from keel.model_executor.layers.quantization import Int8Weight, quantized_linear, uses_kernel
@@ -70,12 +70,12 @@ class ParallelLMHead(VocabParallelEmbedding):
             return
         w = self.weight.detach()
         if self.q8_blocks is not None and w.dtype == torch.bfloat16 and self.tp_size == 1 \
-                and gemm_choice.amx_compressed_copy_chosen("int8"):
+                and amx_choice.amx_compressed_copy_chosen("int8"):
             # The AMX GEMM over the file's int8 blocks (a bfloat16 copy ran at oneDNN's packed
             # speed for 56 MB more), where every value widens to exactly `w`: 64 x 49152 x 576
             # from memory, oneDNN 3.5-4.6 ms, the int8 copy 3.0-3.5 (benchmarks/amx_kernels.py).
             copy = gemm_choice._keel_ops.amx_gemm_pack_int8(*self.q8_blocks, w)
-            if copy.numel() and gemm_choice._amx_budget(copy.numel()):
+            if copy.numel() and amx_choice._amx_budget(copy.numel()):
                 self.amx_weight = copy
         self.q8_blocks = None
         pack_for_cpu_gemm(self, release_dense=not self.tied, amx=False)

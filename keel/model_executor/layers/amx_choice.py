@@ -1,0 +1,287 @@
+"""Which passes keel's AMX GEMM (csrc/amx_gemm.cpp) takes, where the CPU has AMX tiles.
+
+A bfloat16 layer on oneDNN also keeps a copy of its weight in
+the tile layout of keel's AMX GEMM (csrc/amx_gemm.cpp), which takes the passes of up to
+`AMX_GEMM_MAX_ROWS` rows (decode steps) if it times faster than oneDNN's at load, and the
+longer passes (prompt chunks) too if a prompt chunk's MLP also times faster on it: up to
+`AMX_PROMPT_SPLIT_ROWS` rows measured at 512 (`amx_prompt_chosen`), past that at 2,048
+(`amx_long_chosen`; `KEEL_AMX_PROMPT=0|1` forces both); else oneDNN keeps them. The copies
+may take a quarter of the memory available at load; past that the remaining layers run on
+oneDNN alone. `KEEL_AMX_GEMM=0` turns it off.
+
+A float32 layer whose weight values are all bfloat16 (a bfloat16 checkpoint run in float32)
+keeps the same tile copy where `amx_f32_chosen`, and its float32 passes run on it
+(amx_gemm_f32). The GGUF int4 / int8 copies are `amx_compressed_copy_chosen`'s. Each choice is
+made once per process, at load; gemm_choice.py holds the rest (keel's and oneDNN's GEMMs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from keel.model_executor.layers import gemm_choice as gc
+
+logger = logging.getLogger(__name__)
+
+
+# bfloat16 passes of up to this many rows (decode steps) run on keel's AMX GEMM
+# (csrc/amx_gemm.cpp) where it is chosen (amx_gemm_chosen): at 64 rows it measured 1.3-1.8x
+# oneDNN's with the weights in cache and ~1.15x streaming them from memory; from 128 rows
+# oneDNN's brgemm is as fast or faster (3.3 TFLOP/s at 2048 rows against 1.4; eighteenth
+# round, BENCHMARKS.md), so the layer keeps oneDNN's packed weight for those.
+AMX_GEMM_MAX_ROWS = 64
+_amx_gemm_faster: bool | None = None
+_amx_prompt_faster: bool | None = None  # longer passes too (amx_prompt_chosen)
+# Prompt passes of more rows than this are a second choice (amx_long_chosen): on one AMX host
+# keel's MLP ran 0.88-0.93x oneDNN's time at 512-1,024 rows but 1.11-1.19x at 1,536-2,048
+# (oneDNN's brgemm gains with the rows, keel's panels of 128 rows do not; BENCHMARKS.md,
+# thirty-sixth round), so the 512-row measurement alone sent 2,048-row chunks to the slower.
+AMX_PROMPT_SPLIT_ROWS = 1024
+_amx_long_faster: bool | None = None  # passes past AMX_PROMPT_SPLIT_ROWS (amx_long_chosen)
+_amx_bytes_left: int | None = None  # the copies' memory budget (see _amx_budget)
+
+
+def amx_gemm_chosen() -> bool:
+    """Whether bfloat16 decode-sized passes run on keel's AMX GEMM: built, with AMX tiles,
+    not turned off (KEEL_AMX_GEMM=0), and measured faster than oneDNN's at 64 rows (once per
+    process)."""
+    global _amx_gemm_faster
+    if _amx_gemm_faster is None:
+        _amx_gemm_faster = False
+        if os.environ.get("KEEL_AMX_GEMM", "1") != "0" and gc._gemm_mode() != "torch" \
+                and gc._onednn_available():
+            from keel.cpu_ops import get_cpu_ops
+
+            ops = get_cpu_ops()
+            if ops is not None and hasattr(ops, "amx_gemm") and ops.amx_gemm_available():
+                gc._keel_ops = ops
+                _amx_gemm_faster = gc._first_faster((torch.bfloat16, "amx"), (torch.bfloat16,))
+                logger.info("bfloat16 passes of up to %d rows: %s's GEMM (measured faster at "
+                            "64 x 1536 x 576)", AMX_GEMM_MAX_ROWS,
+                            "keel" if _amx_gemm_faster else "oneDNN")
+    return _amx_gemm_faster
+
+
+def _forced_choice(name: str, off: str, on: str) -> bool | None:
+    """An env var that forces a choice measured at load: 0 -> False, 1 -> True, unset or empty
+    -> None (measure); any other value is an error naming the choices."""
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 0 ({off}), 1 ({on}) or unset (measured "
+                         "at load)")
+    return value == "1"
+
+
+def amx_prompt_chosen() -> bool:
+    """Whether passes of more than AMX_GEMM_MAX_ROWS rows (prompt chunks) also run on keel's
+    AMX GEMM, over a layer's bfloat16 tile copy (never a widened int4 or int8 one), where it
+    is chosen for decode passes: measured once per process on the default model's MLP at 512
+    rows (gate_up with SiLU in the AMX GEMM's epilogue, then down; against oneDNN's two GEMMs
+    and silu_and_mul between them); passes of more than AMX_PROMPT_SPLIT_ROWS rows are
+    amx_long_chosen's. The AMX GEMM takes long passes in panels of 128 rows
+    (csrc/amx_gemm.cpp); on one AMX host the MLP of a 2,048-row chunk ran 1.5x faster on it
+    than on oneDNN, and oneDNN's brgemm has read 3.3 TFLOP/s at 2,048 rows on another, so it
+    is measured. KEEL_AMX_PROMPT=0 / 1 skips the measurement."""
+    global _amx_prompt_faster
+    if _amx_prompt_faster is None:
+        _amx_prompt_forced()  # a bad value is an error on any CPU, AMX or not
+        _amx_prompt_faster = amx_gemm_chosen() and _prompt_rows_chosen(
+            512, f"{AMX_GEMM_MAX_ROWS + 1}-{AMX_PROMPT_SPLIT_ROWS} rows")
+    return _amx_prompt_faster
+
+
+def amx_long_chosen() -> bool:
+    """Whether passes of more than AMX_PROMPT_SPLIT_ROWS rows run on keel's AMX GEMM too,
+    where amx_prompt_chosen: measured once per process as that choice, on a 2,048-row MLP
+    (the scheduler's default chunk). KEEL_AMX_PROMPT=0 / 1 forces this one as well."""
+    global _amx_long_faster
+    if _amx_long_faster is None:
+        _amx_long_faster = amx_prompt_chosen() and _prompt_rows_chosen(
+            2 * AMX_PROMPT_SPLIT_ROWS, f"more than {AMX_PROMPT_SPLIT_ROWS} rows")
+    return _amx_long_faster
+
+
+_amx_f32_faster: bool | None = None  # amx_f32_chosen
+
+
+def amx_f32_chosen() -> bool:
+    """Whether float32 layers whose weights are all bfloat16 values (a bfloat16 checkpoint run
+    in float32) also keep a bfloat16 tile copy, on which keel's AMX GEMM computes every pass in
+    float32 (csrc/amx_gemm.cpp amx_gemm_f32: x in three bfloat16 parts, float32 sums): built,
+    with AMX tiles, and measured faster than keel's float32 GEMM at 64 x 1536 x 576 (once per
+    process). On an AMX Xeon 30 layers' GEMMs went 52 -> 27 ms at 64 rows and 1.8x faster at
+    2,048 (BENCHMARKS.md, thirty-eighth round). KEEL_AMX_F32=0 / 1 forces it."""
+    global _amx_f32_faster
+    if _amx_f32_faster is None:
+        forced = _forced_choice("KEEL_AMX_F32", "float32 GEMMs in float32 FMAs",
+                                "on the AMX tiles")
+        _amx_f32_faster = False
+        from keel.cpu_ops import get_cpu_ops
+
+        ops = get_cpu_ops()
+        if forced is not False and gc._gemm_mode() != "torch" and ops is not None \
+                and hasattr(ops, "amx_gemm_f32") and ops.amx_gemm_available():
+            gc._keel_ops = ops
+            _amx_f32_faster = True if forced else _amx_f32_measured_faster(ops)
+            logger.info("float32 layers with bfloat16 weights: %s", "AMX tiles (x in three "
+                        "bfloat16 parts)" if _amx_f32_faster else "float32 FMAs")
+    return _amx_f32_faster
+
+
+def _amx_f32_measured_faster(ops: Any) -> bool:
+    from keel.utils import best_seconds
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(1536, 576, generator=g) * 0.05).bfloat16()
+    x = torch.randn(64, 576, generator=g)
+    amx = ops.amx_gemm_pack(w)
+    if ops.gemm_available():
+        packed = ops.gemm_pack(w.float())
+        other = lambda: ops.gemm(x, packed, 1536)
+    else:
+        wf = w.float()
+        other = lambda: torch.nn.functional.linear(x, wf)
+    return gc._faster(lambda: best_seconds(lambda: ops.amx_gemm_f32(x, amx, 1536), 5),
+                   lambda: best_seconds(other, 5), rounds=2)
+
+
+def _amx_prompt_forced() -> bool | None:
+    return _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN", "on keel's AMX GEMM")
+
+
+def _prompt_rows_chosen(rows: int, passes: str) -> bool:
+    """KEEL_AMX_PROMPT's answer, else whether a `rows`-row MLP measures faster on keel's AMX
+    GEMM than on oneDNN (2 rounds, each the best of 5), logged as the choice for the passes
+    named."""
+    forced = _amx_prompt_forced()
+    if forced is not None:
+        return forced
+    faster = gc._faster(_time_prompt_mlp("amx", rows=rows), _time_prompt_mlp("onednn", rows=rows),
+                     rounds=2)
+    logger.info("bfloat16 passes of %s: %s's GEMM (measured faster on a %d-row MLP)", passes,
+                "keel" if faster else "oneDNN", rows)
+    return faster
+
+
+def _time_prompt_mlp(kernel: str, rows: int = 512, inter: int = 1536,
+                     hidden: int = 576) -> Callable[[], float]:
+    """A timing (best of 5) of one MLP of a prompt chunk: gate_up, SiLU, down."""
+    from keel.utils import best_seconds
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden, generator=g).bfloat16()
+    gate_up = (torch.randn(2 * inter, hidden, generator=g) * 0.05).bfloat16()
+    down = (torch.randn(hidden, inter, generator=g) * 0.05).bfloat16()
+    if kernel == "amx":  # called by amx_prompt_chosen(), once amx_gemm_chosen() found gc._keel_ops
+        gu = gc._keel_ops.amx_gemm_pack(gate_up[gc.silu_pair_order(2 * inter)].contiguous())
+        dn = gc._keel_ops.amx_gemm_pack(down)
+        fn = lambda: gc._keel_ops.amx_gemm(gc._keel_ops.amx_gemm(x, gu, 2 * inter, None, True),
+                                        dn, hidden)
+    else:
+        gu, dn = gc.pack_weight(gate_up), gc.pack_weight(down)
+        fn = lambda: gc.packed_linear(gc._keel_ops.silu_and_mul(gc.packed_linear(x, gu)), dn)
+    return lambda: best_seconds(fn, 5)
+
+
+def amx_max_rows(amx: torch.Tensor) -> int:
+    """The most rows of a pass that runs on the AMX GEMM over the copy `amx`: for a bfloat16
+    copy where amx_prompt_chosen, AMX_PROMPT_SPLIT_ROWS, or every pass where amx_long_chosen
+    as well."""
+    if amx.dtype == torch.bfloat16 and amx_prompt_chosen():
+        return 1 << 62 if amx_long_chosen() else AMX_PROMPT_SPLIT_ROWS
+    return AMX_GEMM_MAX_ROWS
+
+
+def amx_takes(amx: torch.Tensor, rows: int) -> bool:
+    """Whether a pass of `rows` rows runs on the AMX GEMM over the copy `amx`."""
+    return rows <= amx_max_rows(amx)
+
+
+def _amx_budget(nbytes: int) -> bool:
+    """Whether one more AMX copy of nbytes fits. The copies sit beside oneDNN's packed
+    weights (which the longer passes take): all of them together may take at most a quarter
+    of the memory available when the first was made."""
+    global _amx_bytes_left
+    if _amx_bytes_left is None:
+        avail = 0
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        avail = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        _amx_bytes_left = avail // 4
+    if nbytes > _amx_bytes_left:
+        if _amx_bytes_left >= 0:
+            logger.info("AMX GEMM copies stop here: a quarter of the available memory is used; "
+                        "the remaining layers run on oneDNN alone")
+            _amx_bytes_left = -1
+        return False
+    _amx_bytes_left -= nbytes
+    return True
+
+
+_compressed_faster: dict[str, bool] = {}
+
+
+def amx_compressed_copy_chosen(kind: str) -> bool:
+    """Whether the AMX GEMM's int4 ("int4": a GGUF Q4 layer's groups, 0.75 bytes a weight) or
+    int8 ("int8": Q8_0 blocks, ~1.06) copy is faster than its bfloat16 copy on this CPU,
+    measured once per process: 64 rows through 8 layers of 1536 x 576 (14 MB in bfloat16,
+    past L2), best of 8 alternated, and chosen only if 3% faster. The copies read fewer bytes
+    but widen every weight in registers: on one AMX host the int4 copy took 9.6 ms for a
+    step's layers against the bfloat16 copy's 12.1, on another 16.4-17.4 against 12.0-12.2
+    (BENCHMARKS.md, twentieth round). KEEL_AMX_COMPRESSED=0 / 1 skips the measurement."""
+    if kind not in _compressed_faster:
+        forced = _forced_choice("KEEL_AMX_COMPRESSED", "the bfloat16 copy",
+                                "the file's int4 / int8 blocks")
+        if forced is not None:
+            _compressed_faster[kind] = forced
+        else:
+            _compressed_faster[kind] = _time_compressed_copy(kind)
+            logger.info("AMX GEMM on this CPU: the %s copy of a GGUF file's blocks %s", kind,
+                        "measured faster than the bfloat16 copy, and is used" if
+                        _compressed_faster[kind] else "measured no faster than the bfloat16 "
+                        "copy, which is used instead")
+    return _compressed_faster[kind]
+
+
+def _time_compressed_copy(kind: str, layers: int = 8, n: int = 1536, k: int = 576) -> bool:
+    from keel.utils import best_seconds
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, k, generator=g).bfloat16()
+    plain, compressed = [], []
+    for _ in range(layers):
+        d = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        if kind == "int4":  # Q4_1's form: q d + m, d and m float16
+            q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+            m = (-torch.rand(n, k // 32, generator=g) * 0.08).half()
+            w = (q.float().view(n, -1, 32) * d.float()[..., None] + m.float()[..., None])
+            copy = gc._keel_ops.amx_gemm_pack_int4(
+                (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), d, m, w.view(n, k).bfloat16())
+        else:  # Q8_0's: q d, d float16
+            q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+            w = q.float().view(n, -1, 32) * d.float()[..., None]
+            copy = gc._keel_ops.amx_gemm_pack_int8(q, d.float(), w.view(n, k).bfloat16())
+        if not copy.numel():
+            return False
+        plain.append(gc._keel_ops.amx_gemm_pack(w.view(n, k).bfloat16()))
+        compressed.append(copy)
+
+    def run(copies):
+        return lambda: [gc._keel_ops.amx_gemm(x, c, n) for c in copies]
+
+    # Alternated, best of 8 each (this machine's speed drifts), and faster by 3% at least:
+    # the bfloat16 copy is the plain path.
+    run(compressed)(), run(plain)()  # warm-up
+    return gc._faster(lambda: best_seconds(run(compressed), 1, warmup=False),
+                   lambda: best_seconds(run(plain), 1, warmup=False), 8, margin=0.97)

@@ -89,8 +89,8 @@ def test_bad_choice_value_is_refused(monkeypatch):
 
 
 def test_bfloat16_checkpoint_in_float32_gives_transformers_tokens(ops, tmp_path, monkeypatch):
-    """A bfloat16 folder run with dtype="float32": its layers keep tile copies (where the CPU
-    has AMX) and greedy tokens equal transformers' in float32, through prompt chunks (SDPA
+    """A bfloat16 folder run with dtype="float32": its layers and LM head keep tile copies
+    (where the CPU has AMX) and greedy tokens equal transformers' in float32, through prompt chunks (SDPA
     and the paged kernel) and the fused decode pass."""
     import transformers
 
@@ -111,6 +111,7 @@ def test_bfloat16_checkpoint_in_float32_gives_transformers_tokens(ops, tmp_path,
     runner = llm.engine_core.model_executor.driver_worker.model_runner
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.amx_f32 is ops.amx_gemm_available()
+    assert getattr(runner.model.lm_head, "amx_f32", False) is ops.amx_gemm_available()
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -40,7 +40,9 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
     """Pack `module.weight` into `module.packed_weight` for the GEMM chosen for it
     (`module.packed_by`: "keel", "onednn", or "onednn-upcast" for a bfloat16 weight given to
     oneDNN as its float32 upcast), and (unless told to keep it) release the dense copy, as
-    vLLM's CPU backend does. Nothing is packed where neither GEMM takes the weight."""
+    vLLM's CPU backend does. Nothing is packed where neither GEMM takes the weight. `amx`:
+    whether a bfloat16 weight may also get the AMX GEMM's copy; a float32 weight of bfloat16
+    values gets its copy for float32 passes either way (_amx_f32_copy)."""
     if module.packed_weight is not None:
         return
     w = module.weight
@@ -69,7 +71,7 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
     else:
         return
     module.packed_rows = w.shape[0]
-    if amx and w.dtype == torch.float32:
+    if w.dtype == torch.float32:  # the LM head's too (amx=False is for bfloat16 copies)
         _amx_f32_copy(module, w.detach())
     if release_dense:
         module.weight = nn.Parameter(w.new_empty(0), False)

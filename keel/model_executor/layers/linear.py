@@ -5,8 +5,8 @@ HF tensor (or this rank's slice of it) into the right rows. Merged layers (`qkv_
 `gate_up_proj`) are loaded from the separate HF tensors through `shard_id`.
 
 On the CPU each weight is packed once for the GEMM that runs it: which GEMM is chosen in
-gemm_choice.py (amx_choice.py for the AMX GEMM's copies); the packing and the call are in packed_weights.py (`pack_for_cpu_gemm`,
-`cpu_gemm`).
+gemm_choice.py (amx_choice.py for the AMX GEMM's copies); the packing and the call are in
+packed_weights.py (`pack_for_cpu_gemm`, `cpu_gemm`).
 """
 
 from __future__ import annotations

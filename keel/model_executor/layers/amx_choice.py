@@ -1,13 +1,12 @@
 """Which passes keel's AMX GEMM (csrc/amx_gemm.cpp) takes, where the CPU has AMX tiles.
 
-A bfloat16 layer on oneDNN also keeps a copy of its weight in
-the tile layout of keel's AMX GEMM (csrc/amx_gemm.cpp), which takes the passes of up to
-`AMX_GEMM_MAX_ROWS` rows (decode steps) if it times faster than oneDNN's at load, and the
-longer passes (prompt chunks) too if a prompt chunk's MLP also times faster on it: up to
-`AMX_PROMPT_SPLIT_ROWS` rows measured at 512 (`amx_prompt_chosen`), past that at 2,048
-(`amx_long_chosen`; `KEEL_AMX_PROMPT=0|1` forces both); else oneDNN keeps them. The copies
-may take a quarter of the memory available at load; past that the remaining layers run on
-oneDNN alone. `KEEL_AMX_GEMM=0` turns it off.
+A bfloat16 layer on oneDNN also keeps a copy of its weight in the GEMM's tile layout. The GEMM
+takes the passes of up to `AMX_GEMM_MAX_ROWS` rows (decode steps) if it times faster than
+oneDNN's at load, and the longer passes (prompt chunks) too if a prompt chunk's MLP also times
+faster on it: up to `AMX_PROMPT_SPLIT_ROWS` rows measured at 512 (`amx_prompt_chosen`), past
+that at 2,048 (`amx_long_chosen`; `KEEL_AMX_PROMPT=0|1` forces both); else oneDNN keeps them.
+The copies may take a quarter of the memory available at load; past that the remaining layers
+run on oneDNN alone. `KEEL_AMX_GEMM=0` turns it off.
 
 A float32 layer whose weight values are all bfloat16 (a bfloat16 checkpoint run in float32)
 keeps the same tile copy where `amx_f32_chosen`, and its float32 passes run on it

@@ -115,3 +115,35 @@ def test_bfloat16_checkpoint_in_float32_gives_transformers_tokens(ops, tmp_path,
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_tensor_parallel_ranks_keep_their_shards_copies(ops, tmp_path, monkeypatch):
+    """With tensor parallelism each worker's shard of a bfloat16 folder run in float32 keeps
+    its own tile copy (where the CPU has AMX), and greedy tokens equal transformers'."""
+    import transformers
+
+    from keel import LLM, SamplingParams
+    from tests.engine.test_llm_e2e import random_prompt
+    from tests.executor.test_multiproc import assert_gone, worker_pids
+    from tests.hf_models import hf_reference, make_hf_model
+    from tests.model_executor.test_models import hf_greedy
+
+    monkeypatch.setenv("KEEL_AMX_F32", "1")  # the workers inherit it
+    folder = make_hf_model("llama", tmp_path / "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    prompts = [random_prompt(n, seed=110 + n) for n in (6, 90)]
+    hf = hf_reference(folder)
+    expected = [hf_greedy(hf, p, 10) for p in prompts]
+    llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2)
+    try:
+        copies = llm.engine_core.model_executor.collective_rpc(
+            lambda worker: worker.model_runner.model.model.layers[0].self_attn.qkv_proj.amx_f32)
+        assert copies == [ops.amx_gemm_available()] * 2
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        pids = worker_pids(llm)
+        llm.close()
+        assert_gone(pids)

@@ -159,9 +159,12 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
   // keep them in L1 (they serve one block), and a panel is kPanelRowsL1 rows (590 KB of x at
   // K = 576, in L2), so that each pair is read from L3 once per 512 rows instead of 128.
   const bool pair_in_l1 = chunk == slices && K <= kL1Slices * 32 && M16 > kPanelRows;
-  const int64_t panel = chunk != slices ? (M16 + 31) / 32 * 32
-                        : pair_in_l1    ? kPanelRowsL1
-                                        : kPanelRows;
+  // x in three parts (amx_gemm_f32) keeps panels of kPanelRows: three parts of 512 rows are
+  // 1.7 MB at K = 576, and 2 layers' GEMMs at 2,048 rows took 46.5-50.6 ms that way against
+  // 43.7-46.5 in panels of 128 (BENCHMARKS.md, thirty-eighth round).
+  const int64_t panel = chunk != slices           ? (M16 + 31) / 32 * 32
+                        : pair_in_l1 && Terms == 1 ? kPanelRowsL1
+                                                   : kPanelRows;
   const int64_t items = (M16 + panel - 1) / panel * pairs;  // (panel, pair), panel-major
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
   // Row r's first element at slice s0 (r a multiple of 16: a tile's rows lie on one side).

@@ -225,7 +225,9 @@ def gemm_floor(model, rows: int, dtype) -> dict:
     upcast) for a bfloat16 one. Each shape: plain `F.linear`, oneDNN-packed and keel's own
     GEMMs (csrc/gemm.cpp: float32 over a float32 or bfloat16 weight; csrc/amx_gemm.cpp:
     bfloat16 on AMX tiles, where the CPU has them), best of 20 each, with the weight hot in
-    cache."""
+    cache. A float32 run of a model whose weights are all bfloat16 values (keel kept tile
+    copies for its float32 passes: `amx_f32`) may be computed in bfloat16 too, and its float32
+    candidates include csrc/amx_gemm.cpp's amx_gemm_f32."""
     import torch
 
     from keel.cpu_ops import get_cpu_ops
@@ -246,7 +248,10 @@ def gemm_floor(model, rows: int, dtype) -> dict:
     head = model.lm_head if hasattr(model, "lm_head") else None
     if head is not None:
         shapes[(model.config.vocab_size, model.config.hidden_size)] = 1
-    precisions = [torch.float32] if dtype == torch.float32 else [torch.float32, dtype]
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    bf16_values = dtype == torch.float32 and bool(linears) and all(m.amx_f32 for m in linears)
+    precisions = ([torch.float32, torch.bfloat16] if bf16_values
+                  else [torch.float32] if dtype == torch.float32 else [torch.float32, dtype])
     total_flops, floor_s, per_shape = 0, 0.0, {}
     for (n_out, n_in), count in shapes.items():
         best = float("inf")
@@ -264,6 +269,10 @@ def gemm_floor(model, rows: int, dtype) -> dict:
                     and hasattr(ops, "amx_gemm") and ops.amx_gemm_available()):
                 tiles = ops.amx_gemm_pack(w)
                 candidates.append(lambda p=tiles, x=x, n=n_out: ops.amx_gemm(x, p, n))
+            if (ops is not None and dt == torch.float32 and bf16_values and n_out % 16 == 0
+                    and n_in % 32 == 0 and ops.amx_gemm_available()):
+                tiles = ops.amx_gemm_pack(w.bfloat16())
+                candidates.append(lambda p=tiles, x=x, n=n_out: ops.amx_gemm_f32(x, p, n))
             for fn in candidates:
                 fn()
                 for _ in range(20):

@@ -240,18 +240,17 @@ def gemm_floor(model, rows: int, dtype) -> dict:
 
     ops = get_cpu_ops()
 
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     shapes: dict[tuple[int, int], int] = {}  # (out, in) -> count
-    for m in model.modules():
-        if isinstance(m, LinearBase):
-            key = (m.output_size, m.input_size)  # this rank's shape
-            shapes[key] = shapes.get(key, 0) + 1
+    for m in linears:
+        key = (m.output_size, m.input_size)  # this rank's shape
+        shapes[key] = shapes.get(key, 0) + 1
     head = model.lm_head if hasattr(model, "lm_head") else None
     if head is not None:
         shapes[(model.config.vocab_size, model.config.hidden_size)] = 1
-    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     bf16_values = dtype == torch.float32 and bool(linears) and all(m.amx_f32 for m in linears)
-    precisions = ([torch.float32, torch.bfloat16] if bf16_values
-                  else [torch.float32] if dtype == torch.float32 else [torch.float32, dtype])
+    lower = torch.bfloat16 if bf16_values else dtype  # the other precision it may run in
+    precisions = [torch.float32] if lower == torch.float32 else [torch.float32, lower]
     total_flops, floor_s, per_shape = 0, 0.0, {}
     for (n_out, n_in), count in shapes.items():
         best = float("inf")

@@ -49,9 +49,11 @@ def test_matches_float64_reference_to_float32_rounding(ops, m, n, k, silu, bias)
 
 
 def test_arguments_are_checked(ops):
-    if not ops.amx_gemm_available():
-        return
     packed = ops.amx_gemm_pack(torch.zeros(64, 64, dtype=torch.bfloat16))
+    if not ops.amx_gemm_available():
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            ops.amx_gemm_f32(torch.zeros(4, 64), packed, 64)
+        return
     with pytest.raises(RuntimeError, match="float32 x"):
         ops.amx_gemm_f32(torch.zeros(4, 64, dtype=torch.bfloat16), packed, 64)
     with pytest.raises(RuntimeError, match="another shape"):

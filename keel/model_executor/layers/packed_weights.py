@@ -9,6 +9,8 @@ are made there once per process, and tests replace them there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -56,17 +58,9 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
         module.packed_weight, module.packed_by = choice.pack_weight(w), "onednn"
         n, k = w.shape
         if amx and w.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 \
-                and amx_choice.amx_gemm_chosen():
-            # A [gate; up] layer that only feeds silu_and_mul: rows interleaved by 16, so that
-            # each pair of tiles is 16 gate columns and their 16 up columns (the epilogue).
-            pairs = getattr(module, "silu_pairs", False) and n % 32 == 0
-            order = choice.silu_pair_order(n) if pairs else None
-            copy = _amx_copy(module, w.detach(), order)
-            if amx_choice._amx_budget(copy.numel() * copy.element_size()):
-                module.amx_weight, module.amx_silu = copy, pairs
-                amx_choice.amx_long_chosen()  # both measured now, at load, not in a prompt
-                if pairs and module.bias is not None:
-                    module.amx_bias = module.bias.detach()[order].contiguous()
+                and amx_choice.amx_gemm_chosen() \
+                and _keep_tile_copy(module, lambda order: _amx_copy(module, w.detach(), order)):
+            amx_choice.amx_long_chosen()  # both measured now, at load, not in a prompt
         module.amx_int4 = None  # a converted folder's int4 groups were only for the copy
     else:
         return
@@ -77,25 +71,37 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
         module.weight = nn.Parameter(w.new_empty(0), False)
 
 
+def _keep_tile_copy(module: nn.Module, make: Callable[[torch.Tensor | None], torch.Tensor]
+                    ) -> bool:
+    """Keep the AMX GEMM's copy of `module`'s weight, `make(order)`, where the copies' memory
+    budget allows. A [gate; up] layer that only feeds silu_and_mul gets its rows interleaved
+    by 16 (`order`), so that each pair of tiles is 16 gate columns and their 16 up columns (the
+    epilogue: amx_silu, with amx_bias alike)."""
+    n = module.weight.shape[0]
+    pairs = getattr(module, "silu_pairs", False) and n % 32 == 0
+    order = choice.silu_pair_order(n) if pairs else None
+    copy = make(order)
+    if not amx_choice._amx_budget(copy.numel() * copy.element_size()):
+        return False
+    module.amx_weight, module.amx_silu = copy, pairs
+    if pairs and module.bias is not None:
+        module.amx_bias = module.bias.detach()[order].contiguous()
+    return True
+
+
 def _amx_f32_copy(module: nn.Module, w: torch.Tensor) -> None:
     """A float32 weight whose values are all bfloat16 (a bfloat16 checkpoint run in float32)
     also gets a bfloat16 tile copy where amx_f32_chosen: float32 passes then run on the AMX
-    tiles (amx_gemm_f32, float32 results), every row count. A [gate; up] layer's copy has its
-    rows interleaved by 16 (amx_silu, with amx_bias alike) as in bfloat16."""
+    tiles (amx_gemm_f32, float32 results), every row count."""
     n, k = w.shape
     if n % 16 or k % 32 or not amx_choice.amx_f32_chosen():
         return
     w16 = w.bfloat16()
     if not torch.equal(w16.float(), w):
         return  # not a bfloat16 checkpoint's values: the copy would round them
-    pairs = getattr(module, "silu_pairs", False) and n % 32 == 0
-    order = choice.silu_pair_order(n) if pairs else None
-    copy = choice._keel_ops.amx_gemm_pack((w16 if order is None else w16[order]).contiguous())
-    if not amx_choice._amx_budget(copy.numel() * copy.element_size()):
-        return
-    module.amx_weight, module.amx_silu, module.amx_f32 = copy, pairs, True
-    if pairs and module.bias is not None:
-        module.amx_bias = module.bias.detach()[order].float().contiguous()
+    if _keep_tile_copy(module, lambda order: choice._keel_ops.amx_gemm_pack(
+            (w16 if order is None else w16[order]).contiguous())):
+        module.amx_f32 = True
 
 
 def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

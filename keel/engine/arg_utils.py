@@ -15,6 +15,8 @@ from keel.config import (
     SpeculativeConfig,
 )
 
+USAGE_CONTEXTS = ("llm_class", "openai_api_server", "engine_context")
+
 
 @dataclass
 class EngineArgs:
@@ -22,7 +24,8 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # None: vLLM-CPU's default for the entry point (default_max_num_batched_tokens below).
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory_gib: float | None = None
     kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | int8 (see CacheConfig.cache_dtype)
@@ -47,7 +50,24 @@ class EngineArgs:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
-    def create_engine_config(self) -> EngineConfig:
+    def default_max_num_batched_tokens(self, usage_context: str) -> int:
+        """vLLM's CPU default: 4,096 tokens a step for the offline `LLM` class, 2,048 for a
+        server (shorter steps keep streaming latency down), times the world size. On the long
+        prompts of benchmarks/vs_vllm.py, 4,096 made keel's prompt steps 6-12% faster than
+        2,048 (fewer steps, fewer prompts cut across two; BENCHMARKS.md, thirty-ninth round)."""
+        if usage_context not in USAGE_CONTEXTS:
+            raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got "
+                             f"{usage_context!r}.")
+        per_rank = 4096 if usage_context == "llm_class" else 2048
+        # A bad size is ParallelConfig's to refuse by name, not this product's.
+        return per_rank * max(self.tensor_parallel_size, 1) * max(self.pipeline_parallel_size, 1)
+
+    def create_engine_config(self, usage_context: str = "engine_context") -> EngineConfig:
+        """usage_context: "llm_class" (the offline `LLM`), "openai_api_server" or
+        "engine_context" (anything else): it picks the default token budget, as in vLLM."""
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = self.default_max_num_batched_tokens(usage_context)
         return EngineConfig(
             model_config=ModelConfig(
                 model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
@@ -64,7 +84,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(

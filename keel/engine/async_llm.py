@@ -56,8 +56,9 @@ class AsyncLLM:
                     self.engine_core.ready_info)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
-        return cls(engine_args.create_engine_config(), **kwargs)
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: str = "engine_context",
+                         **kwargs: Any) -> AsyncLLM:
+        return cls(engine_args.create_engine_config(usage_context), **kwargs)
 
     # ---- state --------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ class LLM:
         """`model`: an HF folder or .gguf file (None: the default model); `kwargs`: any other
         field of EngineArgs (keel/engine/arg_utils.py), e.g. dtype, max_model_len,
         tensor_parallel_size."""
-        config = EngineArgs(model=model, **kwargs).create_engine_config()
+        config = EngineArgs(model=model, **kwargs).create_engine_config("llm_class")
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.model_path,
                                         config.model_config.hf_config)

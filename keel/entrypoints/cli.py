@@ -31,7 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prompt and decode tokens per step (default: 4096 for generate, 2048 "
+                        "for serve and chat, times the world size, as vLLM-CPU)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV cache budget on the CPU (default: a modest share of free memory)")

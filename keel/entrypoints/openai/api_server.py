@@ -197,7 +197,8 @@ def run_server(engine_args, host: str = "127.0.0.1", port: int = 8000,
         else "SmolLM2-135M-Instruct"
     names = served_model_name or [engine_args.model or default_name]
     stat_logger = PrometheusStatLogger(names[0])
-    engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger])
+    engine = AsyncLLM.from_engine_args(engine_args, "openai_api_server",
+                                       stat_loggers=[stat_logger])
     try:
         app = build_app(engine, names, api_key, max_body_bytes, stat_logger)
         logger.info("Serving %s on http://%s:%d", names, host, port)

@@ -64,6 +64,34 @@ void add_layer(DecodePlan& plan, at::Tensor input_norm, at::Tensor post_norm, do
                              kv_scale ? (*kv_scale)[1] : at::Tensor()});
 }
 
+PassAttention make_pass_attention(at::Tensor token_rows, at::Tensor token_seq_lens,
+                                  std::optional<at::Tensor> long_chunks,
+                                  std::optional<at::Tensor> short_tokens,
+                                  std::optional<at::Tensor> short_rows,
+                                  std::optional<at::Tensor> short_seq_lens, bool amx) {
+  TORCH_CHECK(token_rows.scalar_type() == at::kInt && token_seq_lens.scalar_type() == at::kLong,
+              "PassAttention: token_rows int32 and token_seq_lens int64 expected");
+  PassAttention a;
+  a.token_rows = token_rows;
+  a.token_seq_lens = token_seq_lens;
+  if (long_chunks.has_value()) {
+    TORCH_CHECK(long_chunks->dim() == 2 && long_chunks->size(1) == 4 &&
+                    long_chunks->scalar_type() == at::kLong,
+                "PassAttention: long_chunks int64 [n, 4] (request, start, query len, seq len)");
+    a.long_chunks = *long_chunks;
+  }
+  TORCH_CHECK(short_tokens.has_value() == short_rows.has_value() &&
+                  short_rows.has_value() == short_seq_lens.has_value() &&
+                  (!short_tokens.has_value() || long_chunks.has_value()),
+              "PassAttention: short_tokens, short_rows and short_seq_lens go together, with "
+              "long_chunks");
+  a.short_tokens = short_tokens.value_or(at::Tensor());
+  a.short_rows = short_rows.value_or(at::Tensor());
+  a.short_seq_lens = short_seq_lens.value_or(at::Tensor());
+  a.amx = amx;
+  return a;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -133,9 +161,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "of up to amx_rows rows on amx_gemm over `amx` (amx_gemm_pack of an [amx_n, K] "
            "weight; amx_silu: a [gate; up] weight interleaved by 16 rows, with amx_bias, "
            "which only silu_mul takes)");
-  pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a decode pass in one call")
+  pybind11::class_<PassAttention>(m, "PassAttention",
+                                  "the attention of a pass with prompt tokens (decode_layers.h)")
+      .def(pybind11::init(&make_pass_attention), pybind11::arg("token_rows"),
+           pybind11::arg("token_seq_lens"), pybind11::arg("long_chunks") = pybind11::none(),
+           pybind11::arg("short_tokens") = pybind11::none(),
+           pybind11::arg("short_rows") = pybind11::none(),
+           pybind11::arg("short_seq_lens") = pybind11::none(), pybind11::arg("amx") = false,
+           "(token_rows, token_seq_lens, long_chunks=None, short_tokens=None, "
+           "short_rows=None, short_seq_lens=None, amx=False)");
+  pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a pass in one call")
       .def(pybind11::init<>())
       .def("add_layer", &add_layer, "one Llama-family decoder layer's weights and cache")
       .def_property_readonly("num_layers", &DecodePlan::num_layers)
-      .def("run", &DecodePlan::run, "(hidden, residual) after every layer");
+      .def("run", &DecodePlan::run, pybind11::arg("hidden"), pybind11::arg("residual"),
+           pybind11::arg("positions"), pybind11::arg("block_table"), pybind11::arg("seq_lens"),
+           pybind11::arg("slot_mapping"), pybind11::arg("attention") = pybind11::none(),
+           pybind11::arg("output_rows") = pybind11::none(),
+           "(hidden, residual) after every layer (only output_rows' where given)");
 }

@@ -1,4 +1,4 @@
-// The fused decode pass (see decode_layers.h): LlamaDecoderLayer.forward, layer after layer,
+// The fused pass (see decode_layers.h): LlamaDecoderLayer.forward, layer after layer,
 // with the Python layers' kernels and arguments.
 #include "decode_layers.h"
 
@@ -8,6 +8,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/div.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/linear.h>
@@ -42,6 +43,56 @@ at::Tensor linear_dynamic(const at::Tensor& x, const c10::IValue& packed) {
   std::vector<c10::IValue> stack{x, packed, true};
   op.callBoxed(&stack);
   return stack[0].toTensor();
+}
+
+// torch_paged.paged_attention for a pass with prompt tokens (see PassAttention), [rows, H * D].
+at::Tensor pass_attention(const DecodeLayer& L, const at::Tensor& q, const at::Tensor& k,
+                          const at::Tensor& v, const at::Tensor& block_table,
+                          const PassAttention& A, const std::optional<at::Tensor>& ks,
+                          const std::optional<at::Tensor>& vs) {
+  const int64_t rows = q.size(0), D = L.head_dim;
+  const at::Tensor q3 = q.view({rows, L.heads, D});
+  if (!A.long_chunks.defined())  // one row per query token, K/V read in place
+    return paged_attention(q3, L.key_cache, L.value_cache, block_table, A.token_seq_lens,
+                           A.token_rows, L.scale, L.sliding_window, ks, vs)
+        .view({rows, L.heads * D});
+  at::Tensor out = at::empty({rows, L.heads * D}, q.options());
+  if (A.short_tokens.defined()) {
+    const at::Tensor r = paged_attention(q3.index_select(0, A.short_tokens), L.key_cache,
+                                         L.value_cache, block_table, A.short_seq_lens,
+                                         A.short_rows, L.scale, L.sliding_window, ks, vs);
+    out.index_copy_(0, A.short_tokens, r.view({A.short_tokens.size(0), -1}));
+  }
+  const at::Tensor k3 = k.view({rows, L.kv_heads, D}), v3 = v.view({rows, L.kv_heads, D});
+  const int64_t bs = L.key_cache.size(2);
+  const at::Tensor chunks = A.long_chunks.contiguous();
+  const int64_t* c = chunks.data_ptr<int64_t>();
+  for (int64_t i = 0; i < chunks.size(0); ++i) {
+    const int64_t req = c[4 * i], start = c[4 * i + 1], q_len = c[4 * i + 2];
+    const int64_t seq_len = c[4 * i + 3];
+    at::Tensor key, value;
+    if (seq_len == q_len) {  // a whole prompt: its keys are this pass's own
+      key = k3.narrow(0, start, q_len);
+      value = v3.narrow(0, start, q_len);
+    } else {  // its blocks gathered, [blocks, Hkv, bs, D] -> [blocks * bs, Hkv, D], in the
+              // query's dtype (torch_paged.cache_rows: a bfloat16 cache under float32)
+      const at::Tensor blocks =
+          block_table[req].narrow(0, 0, (seq_len + bs - 1) / bs).to(at::kLong);
+      auto gather = [&](const at::Tensor& cache) {
+        return cache.index_select(0, blocks).to(q.scalar_type()).transpose(1, 2)
+            .reshape({-1, L.kv_heads, D}).narrow(0, 0, seq_len);
+      };
+      key = gather(L.key_cache);
+      value = gather(L.value_cache);
+    }
+    at::Tensor o = out.narrow(0, start, q_len);
+    if (A.amx)
+      prefill_attention_amx(q3.narrow(0, start, q_len), key, value, o, L.scale,
+                            L.sliding_window);
+    else
+      prefill_attention(q3.narrow(0, start, q_len), key, value, o, L.scale, L.sliding_window);
+  }
+  return out;
 }
 
 }  // namespace
@@ -115,7 +166,9 @@ std::tuple<at::Tensor, at::Tensor> DecodePlan::run(at::Tensor hidden,
                                                    std::optional<at::Tensor> residual_in,
                                                    at::Tensor positions,
                                                    at::Tensor block_table, at::Tensor seq_lens,
-                                                   at::Tensor slot_mapping) const {
+                                                   at::Tensor slot_mapping,
+                                                   const std::optional<PassAttention>& attention,
+                                                   const std::optional<at::Tensor>& output_rows) const {
   TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kFloat ||
                                     hidden.scalar_type() == at::kBFloat16),
               "DecodePlan.run: hidden must be float32 or bfloat16 [M, hidden]");
@@ -155,10 +208,18 @@ std::tuple<at::Tensor, at::Tensor> DecodePlan::run(at::Tensor hidden,
     write_kv_cache(k.view({rows, L.kv_heads, L.head_dim}),
                    v.view({rows, L.kv_heads, L.head_dim}), L.key_cache, L.value_cache,
                    slot_mapping, ks, vs);
-    at::Tensor attn = paged_attention(q.view({rows, L.heads, L.head_dim}), L.key_cache,
-                                      L.value_cache, block_table, seq_lens, std::nullopt,
-                                      L.scale, L.sliding_window, ks, vs);
-    x = L.o(attn.view({rows, q_size}));
+    at::Tensor attn =
+        attention.has_value()
+            ? pass_attention(L, q, k, v, block_table, *attention, ks, vs)
+            : paged_attention(q.view({rows, L.heads, L.head_dim}), L.key_cache, L.value_cache,
+                              block_table, seq_lens, std::nullopt, L.scale, L.sliding_window,
+                              ks, vs)
+                  .view({rows, q_size});
+    if (output_rows.has_value() && &L == &layers_.back()) {  // the rows anyone reads
+      attn = attn.index_select(0, *output_rows);
+      residual = residual.index_select(0, *output_rows);
+    }
+    x = L.o(attn);
     // post_attention_layernorm (residual += x; x = norm(residual)), then the MLP.
     fused_add_rms_norm_(x, residual, L.post_norm, L.eps);
     x = L.down(L.gate_up.silu_mul(x));

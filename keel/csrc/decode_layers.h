@@ -1,5 +1,5 @@
-// The fused decode pass: a Llama-family model's decoder layers for a pass of decode rows
-// (one token per request), run as one C++ call.
+// The fused pass: a Llama-family model's decoder layers for a pass of decode rows (one token
+// per request), or of prompt tokens beside them, run as one C++ call.
 //
 // At one row a decode step's kernels take ~12 ms on the default model (quantized), and the
 // Python between them (module calls, views, splits, ~10 ops per layer x 30 layers) took ~8 ms
@@ -56,15 +56,34 @@ struct DecodeLayer {
   at::Tensor key_scale, value_scale;  // an int8 cache's [num_blocks, Hkv, block_size], else undefined
 };
 
+// The attention of a pass that is not all decode rows, as torch_paged.paged_attention runs it
+// (the same kernels, arguments and order): rows of prompt tokens each see the keys up to their
+// own position; a pass with long prompt chunks sends every other token to paged_attention and
+// each long chunk to the causal prefill kernel (torch_paged._split_attention).
+struct PassAttention {
+  // Per token: its request (block-table row, int32) and the keys it sees (int64). Undefined
+  // for a pass of decode rows only (row t is request t, seq_lens).
+  at::Tensor token_rows, token_seq_lens;
+  // A pass with long chunks: (request, first token, query length, seq length) of each, int64
+  // [n, 4]; the other tokens (undefined where none) with their requests and key counts.
+  at::Tensor long_chunks, short_tokens, short_rows, short_seq_lens;
+  bool amx = false;  // long chunks on prefill_attention_amx, else prefill_attention
+};
+
 class DecodePlan {
  public:
   void add_layer(DecodeLayer layer) { layers_.push_back(std::move(layer)); }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // hidden [M, hidden] in the model's dtype (the embedding's output, or the previous stage's with
   // `residual`) -> (hidden, residual) after every layer, as LlamaModel's loop returns them.
+  // `attention` describes a pass with prompt tokens (none: every row one decode token);
+  // `output_rows`: only these rows' outputs are wanted, and the last layer computes its output
+  // projection and MLP for them alone (the result has just those rows), as the Python layers.
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, std::optional<at::Tensor> residual,
                                          at::Tensor positions, at::Tensor block_table,
-                                         at::Tensor seq_lens, at::Tensor slot_mapping) const;
+                                         at::Tensor seq_lens, at::Tensor slot_mapping,
+                                         const std::optional<PassAttention>& attention,
+                                         const std::optional<at::Tensor>& output_rows) const;
 
  private:
   std::vector<DecodeLayer> layers_;

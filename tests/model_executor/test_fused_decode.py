@@ -1,5 +1,5 @@
-"""The fused decode pass (keel/csrc/decode_layers.cpp, layers/fused_decode.py): all decoder
-layers of a decode pass in one C++ call. It runs the Python layers' kernels with their
+"""The fused pass (keel/csrc/decode_layers.cpp, layers/fused_decode.py): all decoder layers of
+a decode pass, or of a pass with prompt tokens, in one C++ call. It runs the Python layers' kernels with their
 arguments, so the engine's output must be bit-identical with it on and off
 (KEEL_FUSED_DECODE=0): the same tokens and the same log-probabilities, for every
 Llama-family variant (GQA and llama3 RoPE, Qwen2's qkv bias, Qwen3's q/k norm, Mistral's
@@ -34,23 +34,27 @@ SHORT = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1
 
 
 def generate(folder: str, quantization: str | None, fused: bool, monkeypatch, prompts=PROMPTS,
-             dtype: str = "float32", kv_cache_dtype: str = "auto"):
-    """(token ids, per-token logprobs, fused passes, Python passes)."""
+             dtype: str = "float32", kv_cache_dtype: str = "auto", **engine_kwargs):
+    """(token ids, per-token logprobs, passes: fused, Python, and fused with long chunks)."""
     monkeypatch.setenv("KEEL_FUSED_DECODE", "1" if fused else "0")
-    calls = {"fused": 0, "python": 0}
-    real = fused_mod.FusedDecode.__call__
+    calls = {"fused": 0, "python": 0, "long": 0}
+    # The unwrapped call (a test that generates twice must not count through the first wrapper).
+    real = getattr(fused_mod.FusedDecode.__call__, "real", fused_mod.FusedDecode.__call__)
 
-    def counting(self, model, positions, hidden, residual):
-        out = real(self, model, positions, hidden, residual)
+    def counting(self, model, positions, hidden, residual, rows=None):
+        out = real(self, model, positions, hidden, residual, rows)
         calls["fused" if out is not None else "python"] += 1
+        meta = fused_mod.get_forward_context().attn_metadata
+        calls["long"] += out is not None and meta.long_chunks is not None
         return out
 
+    counting.real = real
     monkeypatch.setattr(fused_mod.FusedDecode, "__call__", counting)
     # The kernel for passes of up to 4 rows, the dense GEMM above: fixed here, where the
     # engine measures it per layer shape (too close to call on these tiny layers).
     monkeypatch.setattr(quantize_model, "choose_rows_per_pass", rows_up_to_4)
     llm = LLM(folder, quantization=quantization, kv_cache_memory_gib=0.0625, dtype=dtype,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
     sps = [LONG if i < 3 else SHORT for i in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -108,10 +112,59 @@ def test_fused_decode_over_an_int8_cache_is_bit_identical(dtype, hf_model_dir, m
     assert lp_on == lp_off
 
 
+# Two prompts longer than CPU_KERNEL_MAX_QUERY_LEN (their chunks go to the prefill kernel),
+# cut into chunks with context by a budget of 96 tokens a step, beside short prompts and
+# decode rows.
+MIXED = [[(11 * j + 5) % 200 + 1 for j in range(150)], [(7 * j + 3) % 180 + 2 for j in range(130)],
+         [60, 61, 62], [1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1] * 2]
+
+
+def forced_long_kernel(ops, dtype, num_heads, num_kv_heads, head_dim):
+    """keel's kernels for long chunks (the engine times them against SDPA, which may win on
+    these tiny models): the AMX one where it applies."""
+    if (dtype == torch.bfloat16 and head_dim % 32 == 0
+            and ops.prefill_attention_amx_available()):
+        return "prefill_attention_amx"
+    return "prefill_attention"
+
+
+@pytest.mark.parametrize("arch,dtype,kv_cache_dtype", [
+    ("llama", "float32", "auto"), ("llama", "bfloat16", "auto"), ("qwen2", "bfloat16", "auto"),
+    ("qwen3", "float32", "auto"), ("mistral", "float32", "auto"),
+    ("llama", "float32", "bfloat16"),
+])
+def test_prompt_passes_are_fused_and_bit_identical(arch, dtype, kv_cache_dtype, hf_model_dir,
+                                                   monkeypatch):
+    """Passes with prompt tokens take the plan too (PassAttention: prompt tokens as rows of
+    their own, long chunks on the prefill kernel over their gathered blocks, the last layer
+    only for the sampled rows), bit-identical to the Python layers: GQA, Qwen2's bias,
+    Qwen3's q/k norm, Mistral's sliding window, and a bfloat16 cache under float32."""
+    from keel.attention.backends import torch_paged
+
+    monkeypatch.setattr(torch_paged, "long_chunk_kernel", forced_long_kernel)
+    folder = hf_model_dir(arch)
+    kw = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=96)
+    tok_on, lp_on, on = generate(folder, None, True, monkeypatch, MIXED, **kw)
+    tok_off, lp_off, off = generate(folder, None, False, monkeypatch, MIXED, **kw)
+    assert on["python"] == 0 and on["long"] >= 2, on  # every pass, long chunks included
+    assert off["fused"] == 0
+    assert tok_on == tok_off
+    assert lp_on == lp_off
+
+
 def test_not_taken_where_it_does_not_apply(hf_model_dir, monkeypatch):
-    """Prompt passes run the Python layers."""
-    _, _, calls = generate(hf_model_dir("qwen3"), None, True, monkeypatch)
-    assert calls["python"] >= 1 and calls["fused"] >= 39  # the prompts' pass
+    """Passes with long chunks over an int8 cache (whose gathered rows the Python layers
+    dequantize) or where SDPA runs the long chunks take the Python layers; the other passes
+    stay fused."""
+    from keel.attention.backends import torch_paged
+
+    folder = hf_model_dir("qwen3")
+    _, _, calls = generate(folder, None, True, monkeypatch, MIXED, kv_cache_dtype="int8",
+                           max_num_batched_tokens=96)
+    assert calls["python"] >= 2 and calls["long"] == 0 and calls["fused"] >= 39, calls
+    monkeypatch.setattr(torch_paged, "long_chunk_kernel", lambda *a: None)  # SDPA
+    _, _, calls = generate(folder, None, True, monkeypatch, MIXED, max_num_batched_tokens=96)
+    assert calls["python"] >= 2 and calls["long"] == 0 and calls["fused"] >= 39, calls
 
 
 def test_plan_follows_a_rebound_kv_cache(hf_model_dir, monkeypatch):

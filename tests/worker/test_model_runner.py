@@ -205,11 +205,15 @@ def test_only_logits_rows_are_projected_and_partial_rows_are_discarded(
     assert token_row(runner, "R1") == P1 + [tok]
 
 
+@pytest.mark.parametrize("fused", [False, True])
 def test_last_layer_computes_only_the_sampled_rows_and_changes_no_logit(
-    make_runner, model, monkeypatch
+    make_runner, model, monkeypatch, fused
 ):
     """The last layer's output projection and MLP run on the logits rows only (every token's
-    K and V are still written); the logits are the same as a pass over every row."""
+    K and V are still written); the logits are the same as a pass over every row. In the
+    Python layers (their MLP hooked to count its rows) and in the fused pass's plan."""
+    if not fused:
+        monkeypatch.setattr(model.model.fused_decode, "plan", False)
     mlp_rows = []
     hook = model.model.layers[-1].mlp.register_forward_hook(
         lambda _m, args, _out: mlp_rows.append(args[0].shape[0]))
@@ -217,9 +221,13 @@ def test_last_layer_computes_only_the_sampled_rows_and_changes_no_logit(
         runner = make_runner()
         assert runner.execute_model(seed_example()) is None
         pruned = runner.execute_model_state.logits.clone()
+        assert runner.execute_model_state.hidden_states.shape[0] == 3
         pruned_tokens = runner.sample_tokens(None).sampled_token_ids
         caches = [c.clone() for c in runner.kv_caches]
-        assert mlp_rows == [3]
+        if fused:  # the plan ran the pass: the Python MLP never did
+            assert model.model.fused_decode.plan and mlp_rows == []
+        else:
+            assert mlp_rows == [3]
 
         monkeypatch.setattr(model, "supports_output_rows", False)
         full_runner = make_runner()
@@ -227,7 +235,7 @@ def test_last_layer_computes_only_the_sampled_rows_and_changes_no_logit(
         full = full_runner.execute_model_state.logits
         assert full_runner.execute_model_state.hidden_states.shape[0] == 10
         assert full_runner.sample_tokens(None).sampled_token_ids == pruned_tokens
-        assert mlp_rows == [3, 10]
+        assert mlp_rows == ([] if fused else [3, 10])
     finally:
         hook.remove()
     torch.testing.assert_close(pruned, full, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
-"""The fused decode pass: all of a Llama-family model's decoder layers in one C++ call
-(`DecodePlan`, keel/csrc/decode_layers.cpp) for a pass whose rows are all decode tokens.
+"""The fused pass: all of a Llama-family model's decoder layers in one C++ call (`DecodePlan`,
+keel/csrc/decode_layers.cpp), for a pass of decode rows and for one with prompt tokens.
 Between the kernels of a decoder layer the Python layers spend ~10 module calls, views and
 splits: ~8 ms of a ~20 ms step for one user on the default model (quantized), where it cost as
 much as the GEMVs themselves. At 64 requests (float32) the GEMMs dominate and the difference
@@ -18,8 +18,15 @@ It is taken when all of these hold, else the Python layers run:
   SiLU MLP, every quantized linear in keel's own form (int4 groups of 32 with K a multiple
   of 32, int8 per row, or w8a8; a bfloat16 pass converted to float32 and back around keel's
   quantized kernels, as `quantized_linear` does), KV cache bound in the model's dtype;
-- the pass: every row is one decode token (no prompt chunk, no draft tokens).
-`KEEL_FUSED_DECODE=0` turns it off.
+- the pass: every row one decode token; or prompt tokens (and draft tokens) beside them, whose
+  attention the plan runs as torch_paged.paged_attention does (`PassAttention`: each token a
+  row of paged_attention, a long chunk on the causal prefill kernel over its gathered blocks),
+  except where the Python layers would give a long chunk to SDPA or dequantize an int8
+  cache's gathered rows. At 4,096 prompt tokens a step the Python between the kernels took
+  ~26 ms of a ~610 ms step (BENCHMARKS.md, thirty-ninth round); in a server nearly every step
+  carries some prompt tokens beside its decode rows.
+The last layer computes its output projection and MLP for the sampled rows only
+(`output_rows`), as the Python layers do. `KEEL_FUSED_DECODE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -76,6 +83,9 @@ def _plan_linear(ops: Any, linear: Any, dtype: torch.dtype) -> Any:
                           amx_bias=linear.amx_bias)
 
 
+_UNSET = object()  # the long chunks' kernel, not chosen yet
+
+
 class FusedDecode:
     """Owned by a LlamaModel: builds its plan on the first decode pass that finds the KV cache
     bound (and decides then, once, whether the model qualifies)."""
@@ -86,8 +96,11 @@ class FusedDecode:
         self._dtype: torch.dtype | None = None  # the model's, which the plan computes in
 
     def __call__(self, model: Any, positions: torch.Tensor, hidden: torch.Tensor,
-                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(hidden, residual) after the model's layers, or None: run the Python layers."""
+                 residual: torch.Tensor | None, rows: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, residual) after the model's layers, or None: run the Python layers.
+        rows: only these tokens' outputs are wanted (the last layer computes its output
+        projection and MLP for them alone, and the result has just those rows)."""
         if self.plan is False:
             return None
         if (self.plan is None
@@ -97,12 +110,56 @@ class FusedDecode:
                 return None
         meta = get_forward_context().attn_metadata
         t = hidden.shape[0]
-        if (meta is None or meta.query_rows is not None or meta.long_chunks is not None
-                or meta.num_actual_tokens != t or meta.seq_lens.shape[0] != t
-                or hidden.dtype != self._dtype):
+        if meta is None or meta.num_actual_tokens != t or hidden.dtype != self._dtype:
+            return None
+        attention = None
+        if meta.query_rows is not None or meta.long_chunks is not None:
+            attention = self._pass_attention(meta)
+            if attention is None:
+                return None
+        elif meta.seq_lens.shape[0] != t:
             return None
         return self.plan.run(hidden, residual, positions, meta.block_table, meta.seq_lens,
-                             meta.slot_mapping)
+                             meta.slot_mapping, attention, rows)
+
+    def _pass_attention(self, meta: Any) -> Any:
+        """A pass with prompt tokens: its attention as torch_paged.paged_attention runs it
+        (a PassAttention), or None where the plan cannot run it as the Python layers do."""
+        ops = self._ops
+        if meta.long_chunks is None:  # every token a row of its own
+            return ops.PassAttention(meta.token_rows, meta.token_seq_lens)
+        if self._long_kernel is _UNSET:
+            self._long_kernel = self._choose_long_kernel()
+        if self._long_kernel is None:
+            return None
+        chunks = torch.tensor(meta.long_chunks, dtype=torch.int64)
+        amx = self._long_kernel == "prefill_attention_amx"
+        idx = meta.short_tokens
+        if idx is None:
+            return ops.PassAttention(meta.token_rows, meta.token_seq_lens, chunks, amx=amx)
+        # The other tokens' requests and key counts, once for every layer (the Python layers
+        # select them in each).
+        return ops.PassAttention(meta.token_rows, meta.token_seq_lens, chunks, idx,
+                                 meta.token_rows.index_select(0, idx),
+                                 meta.token_seq_lens.index_select(0, idx), amx=amx)
+
+    def _choose_long_kernel(self) -> str | None:
+        """The kernel torch_paged._split_attention gives a long prompt chunk of this model,
+        or None where that is torch's SDPA, or the cache is int8 (its gathered rows are
+        dequantized in Python)."""
+        from keel.attention.backends import torch_paged
+
+        attn = self._attn
+        dtype, cache = self._dtype, attn.kv_cache
+        if (not torch_paged._PREFILL_KERNEL or attn.kv_scale is not None
+                or cache.dtype == torch.int8 or attn.head_size % 16 != 0):
+            return None
+        name = torch_paged.long_chunk_kernel(self._ops, dtype, attn.num_heads,
+                                             attn.num_kv_heads, attn.head_size)
+        if name == "prefill_attention_amx" or (
+                name == "prefill_attention" and attn.num_heads // attn.num_kv_heads <= 16):
+            return name
+        return None
 
     def _build(self, layers: Any, hidden: torch.Tensor) -> Any:
         """The plan; None while the KV cache is not bound yet; False if the model does not
@@ -137,6 +194,7 @@ class FusedDecode:
                 cos, sin, cache, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                 attn.attn.scale, attn.attn.sliding_window or 0, attn.attn.kv_scale)
         self._cache, self._dtype = layers[0].self_attn.attn.kv_cache, dtype
+        self._ops, self._attn, self._long_kernel = ops, layers[0].self_attn.attn, _UNSET
         logger.info("Decode passes run the %d decoder layers in one C++ call "
                     "(keel/csrc/decode_layers.cpp).", plan.num_layers)
         return plan

@@ -189,11 +189,9 @@ class LlamaModel(nn.Module):
         # On the last stage, the rows anyone reads (the sampled ones; None: all): the last
         # layer computes its attention output projection and MLP for those tokens only.
         rows = get_forward_context().output_rows if self.is_last_rank else None
-        fused = self.fused_decode(self, positions, hidden, residual)
-        if fused is not None:
+        fused = self.fused_decode(self, positions, hidden, residual, rows)
+        if fused is not None:  # only `rows`' outputs, where given
             hidden, residual = fused
-            if rows is not None:
-                hidden, residual = hidden.index_select(0, rows), residual.index_select(0, rows)
         else:
             layers = self.layers[self.start_layer : self.end_layer]
             for i, layer in enumerate(layers):

@@ -26,6 +26,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--phase", default="decode", choices=["decode", "prefill"],
                     help="prefill: time the first steps, chunks of prompt tokens")
+    ap.add_argument("--warm-kv", action="store_true",
+                    help="first run another round's prompts through the engine, so that the K/V "
+                         "cache's pages are touched (as after an engine's first minutes)")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
 
@@ -63,6 +66,10 @@ def main() -> None:
               kv_cache_memory_gib=kv_cache_gib(args.dtype))
     core = llm.engine_core
     runner = core.model_executor.driver_worker.model_runner
+    if args.warm_kv:
+        llm.generate([{"prompt_token_ids": p} for p in make_prompts(
+            args.workload, args.num_requests, 49152, 0, 99)],
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     sp = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for i, p in enumerate(make_prompts(args.workload, args.num_requests, 49152, 0)):
         request, _ = llm.input_processor.process(str(i), {"prompt_token_ids": p}, sp)

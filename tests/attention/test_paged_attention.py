@@ -405,17 +405,21 @@ def test_unfinished_or_broken_build_is_not_imported(tmp_path):
     assert not (tmp_path / cpu_ops._DONE).exists()
 
 
-def test_kernel_kv_write_matches_torch_and_checks_slots(monkeypatch):
+@pytest.mark.parametrize("head_size,dtype", [(8, torch.float32), (16, torch.float32),
+                                             (64, torch.bfloat16), (64, torch.float32)])
+def test_kernel_kv_write_matches_torch_and_checks_slots(head_size, dtype, monkeypatch):
     """The compiled K/V write puts strided rows where the torch path does (head-major blocks:
     slot s, head h at [s // block_size, h, s % block_size]), and refuses a slot outside the
-    cache instead of writing past it."""
+    cache instead of writing past it. Rows of whole cache lines (64 bytes and up) take the
+    streaming stores, shorter ones a plain copy."""
     ops = get_cpu_ops()
     assert ops is not None
     g = torch.Generator().manual_seed(3)
-    cache = torch.zeros(2, 12, 3, 4, 8)  # 12 blocks of 4 slots, 3 KV heads, head size 8
+    d = head_size
+    cache = torch.zeros(2, 12, 3, 4, d, dtype=dtype)  # 12 blocks of 4 slots, 3 KV heads
     T = 40  # more rows than one thread's share (16): the rows are written on both threads
-    kv = torch.randn(T, 2 * 3 * 8, generator=g)  # one [T, k | v] buffer: strided rows
-    key, value = kv[:, :24].view(T, 3, 8), kv[:, 24:].view(T, 3, 8)
+    kv = torch.randn(T, 2 * 3 * d, generator=g).to(dtype)  # one [T, k | v] buffer: strided
+    key, value = kv[:, :3 * d].view(T, 3, d), kv[:, 3 * d:].view(T, 3, d)
     slots = torch.randperm(48, generator=g)[:T]
     want = cache.clone()
     for t, slot in enumerate(slots.tolist()):

@@ -53,8 +53,9 @@ class EngineArgs:
     def default_max_num_batched_tokens(self, usage_context: str) -> int:
         """vLLM's CPU default: 4,096 tokens a step for the offline `LLM` class, 2,048 for a
         server (shorter steps keep streaming latency down), times the world size. On the long
-        prompts of benchmarks/vs_vllm.py, 4,096 made keel's prompt steps 6-12% faster than
-        2,048 (fewer steps, fewer prompts cut across two; BENCHMARKS.md, thirty-ninth round)."""
+        prompts of benchmarks/vs_vllm.py in bfloat16, 4,096 made keel's prompt steps ~6%
+        faster than 2,048 on average (fewer steps, fewer prompts cut across two; level in
+        float32; BENCHMARKS.md, thirty-ninth round)."""
         if usage_context not in USAGE_CONTEXTS:
             raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got "
                              f"{usage_context!r}.")

@@ -233,3 +233,21 @@ def test_bit_identical_past_64_rows(prompt_on_amx, hf_model_dir, monkeypatch):
     assert lp_on == lp_off
     if amx_choice._amx_gemm_faster:  # AMX copies were made: every pass or up to 64 rows
         assert amx_rows and set(amx_rows) == {1 << 62 if prompt_on_amx else 64}
+
+
+def test_pass_attention_refuses_bad_arguments():
+    """PassAttention names what is wrong instead of reading past a tensor."""
+    from keel.cpu_ops import get_cpu_ops
+
+    ops = get_cpu_ops()
+    rows, lens = torch.zeros(4, dtype=torch.int32), torch.ones(4, dtype=torch.int64)
+    ops.PassAttention(rows, lens, torch.zeros(1, 4, dtype=torch.int64))  # well-formed
+    with pytest.raises(RuntimeError, match="token_rows int32 and token_seq_lens int64"):
+        ops.PassAttention(rows.long(), lens)
+    with pytest.raises(RuntimeError, match=r"long_chunks int64 \[n, 4\]"):
+        ops.PassAttention(rows, lens, torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="go together"):
+        ops.PassAttention(rows, lens, torch.zeros(1, 4, dtype=torch.int64),
+                          short_tokens=torch.arange(2))
+    with pytest.raises(RuntimeError, match="with long_chunks"):
+        ops.PassAttention(rows, lens, None, torch.arange(2), rows[:2], lens[:2])

@@ -87,8 +87,8 @@ _UNSET = object()  # the long chunks' kernel, not chosen yet
 
 
 class FusedDecode:
-    """Owned by a LlamaModel: builds its plan on the first decode pass that finds the KV cache
-    bound (and decides then, once, whether the model qualifies)."""
+    """Owned by a LlamaModel: builds its plan on the first pass that finds the KV cache bound
+    (and decides then, once, whether the model qualifies)."""
 
     def __init__(self) -> None:
         self.plan: Any = None  # the DecodePlan; False once the model is known not to qualify
@@ -195,6 +195,6 @@ class FusedDecode:
                 attn.attn.scale, attn.attn.sliding_window or 0, attn.attn.kv_scale)
         self._cache, self._dtype = layers[0].self_attn.attn.kv_cache, dtype
         self._ops, self._attn, self._long_kernel = ops, layers[0].self_attn.attn, _UNSET
-        logger.info("Decode passes run the %d decoder layers in one C++ call "
+        logger.info("Passes run the %d decoder layers in one C++ call "
                     "(keel/csrc/decode_layers.cpp).", plan.num_layers)
         return plan

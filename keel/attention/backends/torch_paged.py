@@ -323,6 +323,21 @@ def long_chunk_kernel(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int
     return _long_chunk_kernels[key]
 
 
+def chunk_kernel_name(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> str | None:
+    """The name of keel's kernel that takes a long chunk of this shape (dense rows of one
+    dtype), or None for torch's SDPA. The fused pass (layers/fused_decode.py) asks the same."""
+    if (not _PREFILL_KERNEL or dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or head_dim % 16 != 0):
+        return None
+    name = long_chunk_kernel(ops, dtype, num_heads, num_kv_heads, head_dim)
+    # keel's prefill kernel takes at most 16 query heads per KV head; the AMX one any.
+    if name == "prefill_attention_amx" or (
+            name == "prefill_attention" and num_heads // num_kv_heads <= 16):
+        return name
+    return None
+
+
 def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetadata,
                      scale: float, sliding_window: int | None,
                      kv_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -340,15 +355,10 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
         out.index_copy_(0, idx, rows.view(len(idx), -1))
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     kernel = None
-    if (_PREFILL_KERNEL and query.dtype == key.dtype == value.dtype
-            and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and head_dim % 16 == 0
+    if (query.dtype == key.dtype == value.dtype
             and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value))):
-        name = long_chunk_kernel(ops, query.dtype, num_heads, num_kv_heads, head_dim)
-        # keel's prefill kernel takes at most 16 query heads per KV head; the AMX one any.
-        if name == "prefill_attention_amx" or (
-                name == "prefill_attention" and num_heads // num_kv_heads <= 16):
-            kernel = getattr(ops, name)
+        name = chunk_kernel_name(ops, query.dtype, num_heads, num_kv_heads, head_dim)
+        kernel = getattr(ops, name) if name is not None else None
     for req, start, q_len, seq_len in meta.long_chunks:
         context = seq_len - q_len
         if context == 0:  # a whole prompt: its keys are this pass's own

@@ -150,16 +150,10 @@ class FusedDecode:
         from keel.attention.backends import torch_paged
 
         attn = self._attn
-        dtype, cache = self._dtype, attn.kv_cache
-        if (not torch_paged._PREFILL_KERNEL or attn.kv_scale is not None
-                or cache.dtype == torch.int8 or attn.head_size % 16 != 0):
+        if attn.kv_scale is not None or attn.kv_cache.dtype == torch.int8:
             return None
-        name = torch_paged.long_chunk_kernel(self._ops, dtype, attn.num_heads,
+        return torch_paged.chunk_kernel_name(self._ops, self._dtype, attn.num_heads,
                                              attn.num_kv_heads, attn.head_size)
-        if name == "prefill_attention_amx" or (
-                name == "prefill_attention" and attn.num_heads // attn.num_kv_heads <= 16):
-            return name
-        return None
 
     def _build(self, layers: Any, hidden: torch.Tensor) -> Any:
         """The plan; None while the KV cache is not bound yet; False if the model does not

@@ -394,31 +394,6 @@ at::Tensor argmax_rows(at::Tensor x) {
 // and head, where index_copy_ paid ~35 us a call.
 namespace {
 
-// One cache line (64 bytes, dst aligned) written with streaming stores, where the ISA has them.
-#if defined(__AVX512F__)
-constexpr bool kStreamLines = true;
-inline void stream_line(char* dst, const char* src) {
-  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_loadu_si512(src));
-}
-#elif defined(__AVX2__)
-constexpr bool kStreamLines = true;
-inline void stream_line(char* dst, const char* src) {
-  _mm256_stream_si256(reinterpret_cast<__m256i*>(dst),
-                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32),
-                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32)));
-}
-#else
-constexpr bool kStreamLines = false;
-inline void stream_line(char* dst, const char* src) { std::memcpy(dst, src, 64); }
-#endif
-// Streaming stores are weakly ordered: fenced before another thread may read the lines.
-inline void stream_fence() {
-#if defined(__AVX2__) || defined(__AVX512F__)
-  _mm_sfence();
-#endif
-}
-
 // One row of D values -> int8 (round to nearest, ties to even) and its scale amax / 127, so
 // that q * scale is the row to within half a scale step; a row of zeros has scale 0.
 template <typename T>
@@ -547,28 +522,14 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
   const int64_t ks = key.stride(0) * es, vs = value.stride(0) * es;
   // On the threads: a decode step's first write to a cache page faults it in (~3-5 us on
   // these VMs, ~700 pages a step at 64 requests), and the threads fault in parallel.
-  // Rows of whole cache lines go out as streaming stores: no read of the lines they replace,
-  // and no cache space for K/V that the next steps read from memory anyway. A 4,096-token
-  // prompt step's writes (30 layers, warm pages) 8.5 -> 4.9 ms; prompt-only rounds of the long
-  // workload 3.5-5.6% faster in bfloat16 and 5% in float32 (BENCHMARKS.md, thirty-ninth round).
-  const bool nt = kStreamLines && bytes % 64 == 0 && reinterpret_cast<uintptr_t>(kc) % 64 == 0 &&
-                  reinterpret_cast<uintptr_t>(vc) % 64 == 0;
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = slots[t] / bs, off = slots[t] % bs;
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t dst = ((block * Hkv + h) * bs + off) * bytes;
-        if (nt) {
-          for (int64_t b = 0; b < bytes; b += 64) {
-            stream_line(kc + dst + b, k + t * ks + h * bytes + b);
-            stream_line(vc + dst + b, v + t * vs + h * bytes + b);
-          }
-          continue;
-        }
         std::memcpy(kc + dst, k + t * ks + h * bytes, bytes);
         std::memcpy(vc + dst, v + t * vs + h * bytes, bytes);
       }
     }
-    if (nt) stream_fence();
   });
 }

@@ -410,8 +410,7 @@ def test_unfinished_or_broken_build_is_not_imported(tmp_path):
 def test_kernel_kv_write_matches_torch_and_checks_slots(head_size, dtype, monkeypatch):
     """The compiled K/V write puts strided rows where the torch path does (head-major blocks:
     slot s, head h at [s // block_size, h, s % block_size]), and refuses a slot outside the
-    cache instead of writing past it. Rows of whole cache lines (64 bytes and up) take the
-    streaming stores, shorter ones a plain copy."""
+    cache instead of writing past it, for rows shorter and longer than a cache line."""
     ops = get_cpu_ops()
     assert ops is not None
     g = torch.Generator().manual_seed(3)

@@ -57,12 +57,21 @@ def checkpoint_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
+# Weights kept as a GGUF file's own blocks count as the checkpoint's weights here, not as a
+# quantization the user asked for: on an AMX CPU the default model computed in float32 over
+# its int4 blocks ran 64 long requests at 82-108 tok/s against 326-398 in bfloat16 (AMX GEMMs,
+# the blocks' int4 kernels kept for one-row passes), and its float32 K/V doubled a long
+# decode step's reads (BENCHMARKS.md, fortieth round). keel's own int8 / int4 / w8a8, asked for
+# by name, keep the float32 arithmetic their kernels are made for.
+_AUTO_QUANTIZATIONS = (None, "gguf")
+
+
 def _cpu_float32_auto(dtype: str, compute: torch.dtype, device: torch.device, runner: str,
                       quantization: str | None) -> bool:
-    """dtype="auto" left a generating float32 model, its weights not kept quantized, on a CPU:
-    the case both rules below are about."""
+    """dtype="auto" left a generating float32 model on a CPU, its weights dense or a GGUF
+    file's blocks: the case both rules below are about."""
     return (dtype == "auto" and compute == torch.float32 and device.type == "cpu"
-            and runner == "generate" and quantization is None)
+            and runner == "generate" and quantization in _AUTO_QUANTIZATIONS)
 
 
 def auto_compute_dtype(dtype: str, compute: torch.dtype, device: torch.device, runner: str,
@@ -71,7 +80,8 @@ def auto_compute_dtype(dtype: str, compute: torch.dtype, device: torch.device, r
     vLLM's "auto" does for any float32 checkpoint: there oneDNN's bfloat16 GEMMs run 4-8x
     faster than float32 (BENCHMARKS.md, seventeenth round). Elsewhere (AVX2, or AVX512-BF16
     without AMX) bfloat16 GEMMs are no faster than float32 and float32 stays. Only for a
-    generating model whose weights are not kept quantized; dtype="float32" keeps float32."""
+    generating model whose weights are dense or a GGUF file's blocks (_AUTO_QUANTIZATIONS);
+    dtype="float32" keeps float32."""
     if _cpu_float32_auto(dtype, compute, device, runner, quantization) and cpu_has_amx_bfloat16():
         logger.info("dtype='auto': this float32 model computes in bfloat16 on this CPU "
                     "(AMX tiles); pass dtype='float32' to keep float32.")
@@ -86,8 +96,8 @@ def auto_kv_cache_dtype(dtype: str, compute: torch.dtype, device: torch.device, 
     every request's K/V once per layer, and with half the bytes the CPU attention ran ~1.9x
     faster and a long decode step 1.28-1.43x (BENCHMARKS.md, twenty-sixth round); the
     arithmetic stays float32. `compute` is the dtype after auto_compute_dtype. Only for a
-    generating model whose weights are not kept quantized; an explicit dtype keeps the cache
-    in that dtype."""
+    generating model whose weights are dense or a GGUF file's blocks (llama.cpp keeps a GGUF
+    model's K/V in float16 by default); an explicit dtype keeps the cache in that dtype."""
     if _cpu_float32_auto(dtype, compute, device, runner, quantization):
         return torch.bfloat16
     return compute

@@ -18,11 +18,28 @@ def test_float32_model_computes_in_bfloat16_only_where_the_cpu_has_amx(hf_model_
 
     monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: True)
     assert ModelConfig(folder, device="cpu").torch_dtype == torch.bfloat16
-    # What the user asked for stays, and so do weights kept quantized (their kernels compute
-    # in float32).
+    # What the user asked for stays, and so do weights quantized by keel on request (their
+    # kernels compute in float32).
     assert ModelConfig(folder, dtype="float32", device="cpu").torch_dtype == torch.float32
     assert ModelConfig(folder, device="cpu", quantization="int8").torch_dtype == torch.float32
-    assert ModelConfig(None, device="cpu").torch_dtype == torch.float32  # the default .gguf
+
+
+def test_a_gguf_files_blocks_follow_the_dense_rules(monkeypatch):
+    """The default .gguf (weights kept as its int4 / Q8_0 blocks) is a float32 checkpoint like
+    any other: bfloat16 arithmetic and K/V on an AMX CPU (AMX GEMMs for passes of many rows),
+    float32 arithmetic over bfloat16 K/V elsewhere; dtype="float32" keeps both float32."""
+    from keel.config import CacheConfig
+
+    def resolved(amx: bool, **kw) -> tuple[torch.dtype, torch.dtype]:
+        monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: amx)
+        mc = ModelConfig(None, device="cpu", **kw)
+        assert mc.quantization_method == "gguf"
+        return mc.torch_dtype, CacheConfig().resolve_kv_dtype(mc)
+
+    assert resolved(True) == (torch.bfloat16, torch.bfloat16)
+    assert resolved(False) == (torch.float32, torch.bfloat16)
+    assert resolved(True, dtype="float32") == (torch.float32, torch.float32)
+    assert resolved(False, dtype="float32") == (torch.float32, torch.float32)
 
 
 def test_amx_check_reads_this_cpu(monkeypatch):

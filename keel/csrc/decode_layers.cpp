@@ -17,9 +17,41 @@
 #include <string_view>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 constexpr int64_t kKernelRows = 4;  // rows per call of keel's quantized kernels
+
+// x as float32 or bfloat16 (the other of the two), by keel's own loop: the bits of
+// Tensor::to (vec.h rounds as c10::BFloat16 does), through one allocation instead of to's four
+// dispatched ops. A one-row bfloat16 pass over quantized layers converts 8 times a layer, and
+// through Tensor::to that cost the default .gguf ~5% of its single-stream decode against
+// float32 (BENCHMARKS.md, fortieth round). Other dtypes go through Tensor::to.
+at::Tensor converted(const at::Tensor& x, at::ScalarType to) {
+  const at::ScalarType from = x.scalar_type();
+  if (from == to) return x;
+  const bool ours = (from == at::kFloat && to == at::kBFloat16) ||
+                    (from == at::kBFloat16 && to == at::kFloat);
+  if (!ours) return x.to(to).contiguous();
+  const at::Tensor c = x.contiguous();
+  at::Tensor out = at::empty(c.sizes(), c.options().dtype(to));
+  const int64_t n = c.numel();
+  if (from == at::kBFloat16) {
+    const auto* src = c.data_ptr<c10::BFloat16>();
+    float* dst = out.data_ptr<float>();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) keel::store16(dst + i, keel::load16(src + i));
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  } else {
+    const float* src = c.data_ptr<float>();
+    auto* dst = out.data_ptr<c10::BFloat16>();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) keel::store16(dst + i, keel::load16(src + i));
+    for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+  }
+  return out;
+}
 
 // torch.ops.mkldnn._linear_pointwise, as keel's packed_linear calls it (layers/gemm_choice.py).
 at::Tensor linear_pointwise(const at::Tensor& x, const at::Tensor& packed,
@@ -109,7 +141,7 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
   const int64_t rows = x.size(0);
   if (max_rows > 0 && rows <= max_rows) {  // quantized_linear: 4 rows a call, then bias
     // keel's kernels take and give float32; a bfloat16 pass is converted in and out.
-    const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat).contiguous();
+    const at::Tensor xf = converted(x, at::kFloat);
     at::Tensor out;
     if (rows <= kKernelRows) {
       out = quant_linear(xf, q, d, m, act_parts);
@@ -120,7 +152,7 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
                                      m, act_parts));
       out = at::cat(parts);
     }
-    if (out.scalar_type() != x.scalar_type()) out = out.to(x.scalar_type());
+    out = converted(out, x.scalar_type());
     return bias.defined() ? out.add_(bias) : out;
   }
   if (amx_rows > 0 && !amx_silu && rows <= amx_rows && x.scalar_type() == at::kBFloat16)

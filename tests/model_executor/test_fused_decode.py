@@ -82,19 +82,22 @@ def test_fused_decode_is_bit_identical(arch, quantization, dtype, hf_model_dir, 
     assert lp_on == lp_off  # bit-identical, not merely close
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
-def test_fused_decode_over_a_bfloat16_cache_is_bit_identical(arch, hf_model_dir, monkeypatch):
+@pytest.mark.parametrize("arch,quantization", [("llama", None), ("qwen3", None),
+                                               ("mistral", None), ("mistral", "int4")])
+def test_fused_decode_over_a_bfloat16_cache_is_bit_identical(arch, quantization, hf_model_dir,
+                                                            monkeypatch):
     """float32 arithmetic over a bfloat16 KV cache (kv_cache_dtype="bfloat16", what
-    dtype="auto" keeps on a CPU without AMX): the fused pass writes and reads the cache as
-    the Python layers do."""
+    dtype="auto" keeps on a CPU without AMX, for the default .gguf's int4 blocks too): the
+    fused pass writes and reads the cache as the Python layers do."""
     folder = hf_model_dir(arch)
-    tok_on, lp_on, on = generate(folder, None, True, monkeypatch, kv_cache_dtype="bfloat16")
-    tok_off, lp_off, off = generate(folder, None, False, monkeypatch, kv_cache_dtype="bfloat16")
+    kw = {"kv_cache_dtype": "bfloat16"}
+    tok_on, lp_on, on = generate(folder, quantization, True, monkeypatch, **kw)
+    tok_off, lp_off, off = generate(folder, quantization, False, monkeypatch, **kw)
     assert on["fused"] >= 39 and off["fused"] == 0
     assert tok_on == tok_off
     assert lp_on == lp_off
     # ... and the bfloat16 cache is not the float32 one: the log-probabilities moved.
-    _, lp_f32, _ = generate(folder, None, True, monkeypatch, kv_cache_dtype="float32")
+    _, lp_f32, _ = generate(folder, quantization, True, monkeypatch, kv_cache_dtype="float32")
     assert lp_f32 != lp_on
 
 

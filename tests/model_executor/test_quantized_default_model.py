@@ -95,6 +95,22 @@ def test_quantized_default_model_answers():
     assert "Paris" in out[0].outputs[0].text
 
 
+def test_default_model_answers_where_auto_keeps_float32(monkeypatch):
+    """On a CPU without AMX tiles, dtype="auto" leaves the default .gguf computing in float32
+    over its int4 blocks, with its K/V in bfloat16 (keel/dtypes.py); on one with them it
+    computes in bfloat16 (test_quantized_default_model_answers, on such a CPU)."""
+    from keel import dtypes
+
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
+    llm = LLM(max_num_seqs=1)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    llm.shutdown()
+    assert llm.config.model_config.torch_dtype == torch.float32
+    assert llm.config.cache_config.kv_torch_dtype == torch.bfloat16
+    assert "Paris" in out[0].outputs[0].text
+
+
 def test_gguf_weights_load_as_the_slower_way_made_them():
     """Two shortcuts of the load, each checked against the way it replaced: the int4 layers
     take the converted file's nibble pairs as they are (no unpacking to int32 and packing

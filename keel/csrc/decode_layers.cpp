@@ -23,6 +23,14 @@ namespace {
 
 constexpr int64_t kKernelRows = 4;  // rows per call of keel's quantized kernels
 
+// n values from src into dst, 16 at a time (vec.h widens and rounds as c10 does).
+template <typename From, typename To>
+void convert_values(const From* src, To* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) keel::store16(dst + i, keel::load16(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<To>(static_cast<float>(src[i]));
+}
+
 // x as float32 or bfloat16 (the other of the two), by keel's own loop: the bits of
 // Tensor::to (vec.h rounds as c10::BFloat16 does), through one allocation instead of to's four
 // dispatched ops. A one-row bfloat16 pass over quantized layers converts 8 times a layer, and
@@ -31,26 +39,18 @@ constexpr int64_t kKernelRows = 4;  // rows per call of keel's quantized kernels
 at::Tensor converted(const at::Tensor& x, at::ScalarType to) {
   const at::ScalarType from = x.scalar_type();
   if (from == to) return x;
-  const bool ours = (from == at::kFloat && to == at::kBFloat16) ||
-                    (from == at::kBFloat16 && to == at::kFloat);
-  if (!ours) return x.to(to).contiguous();
   const at::Tensor c = x.contiguous();
-  at::Tensor out = at::empty(c.sizes(), c.options().dtype(to));
-  const int64_t n = c.numel();
-  if (from == at::kBFloat16) {
-    const auto* src = c.data_ptr<c10::BFloat16>();
-    float* dst = out.data_ptr<float>();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) keel::store16(dst + i, keel::load16(src + i));
-    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-  } else {
-    const float* src = c.data_ptr<float>();
-    auto* dst = out.data_ptr<c10::BFloat16>();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) keel::store16(dst + i, keel::load16(src + i));
-    for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+  if (from == at::kBFloat16 && to == at::kFloat) {
+    at::Tensor out = at::empty(c.sizes(), c.options().dtype(to));
+    convert_values(c.data_ptr<c10::BFloat16>(), out.data_ptr<float>(), c.numel());
+    return out;
   }
-  return out;
+  if (from == at::kFloat && to == at::kBFloat16) {
+    at::Tensor out = at::empty(c.sizes(), c.options().dtype(to));
+    convert_values(c.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), c.numel());
+    return out;
+  }
+  return c.to(to);
 }
 
 // torch.ops.mkldnn._linear_pointwise, as keel's packed_linear calls it (layers/gemm_choice.py).

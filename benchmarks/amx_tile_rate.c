@@ -10,6 +10,10 @@
 //      0: the products alone, in blocks of 32 x 32 that begin (tilezero) and end (tilestored);
 //      1: tile loads from 4 KiB that stay in L1;
 //      2: the GEMM's walk: for each pair, PANEL_ROWS rows of x against the pair's 18 slices.
+//      4: the same walk with three B tiles to an A tile (1 A, 3 B, 3 accumulators: 4 tile
+//         loads for 3 products, against 2 for 2 with two A tiles) over 48 columns, K split in
+//         halves of 9 slices so that their 27 KiB of B stay in L1; each 16 rows' sums wait in
+//         memory between the halves. BENCHMARKS.md, forty-second round.
 // X_HINT 1 loads x's tiles with the hint not to keep them in L1 (tileloaddt1), so that the
 // pair's 36 KiB stay there; OUTPUT 1 writes each block's 32 rows as bfloat16 into a
 // [PANEL_ROWS, 3072] output, as the GEMM does. BENCHMARKS.md, thirty-seventh round.
@@ -63,7 +67,55 @@ static double walk(int mode, int rows, int hint, int output, double* seconds) {
   _tile_zero(7);
 #pragma omp barrier
   const double t0 = now();
-  for (int pass = 0; pass < PASSES; ++pass)
+  float* held = aligned_alloc(64, (size_t)rows / 16 * 768 * 4);
+  for (int pass = 0; mode == 4 && pass < PASSES; ++pass)
+    for (int j = 0; j < N / 48; ++j)
+      for (int half = 0; half < 2; ++half) {
+        const uint16_t* wj = w + ((size_t)j * 2 + half) * 9 * 3 * 512;
+        for (int r0 = 0; r0 < rows; r0 += 16) {
+          const uint16_t* x0 = x + (size_t)r0 * K + half * 9 * 32;
+          float* h = held + (size_t)r0 / 16 * 768;
+          if (half == 0) {
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+          } else {
+            _tile_loadd(4, h, 64);
+            _tile_loadd(5, h + 256, 64);
+            _tile_loadd(6, h + 512, 64);
+          }
+          for (int s = 0; s < 9; ++s) {
+            const uint16_t* ws = wj + s * 3 * 512;
+            if (hint)
+              _tile_stream_loadd(0, x0 + s * 32, K * 2);
+            else
+              _tile_loadd(0, x0 + s * 32, K * 2);
+            _tile_loadd(1, ws, 64);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(2, ws + 512, 64);
+            _tile_dpbf16ps(5, 0, 2);
+            _tile_loadd(3, ws + 1024, 64);
+            _tile_dpbf16ps(6, 0, 3);
+          }
+          if (half == 0) {
+            _tile_stored(4, h, 64);
+            _tile_stored(5, h + 256, 64);
+            _tile_stored(6, h + 512, 64);
+            continue;
+          }
+          _tile_stored(4, acc, 192);
+          _tile_stored(5, acc + 16, 192);
+          _tile_stored(6, acc + 32, 192);
+          for (int r = 0; output && r < 16; ++r)
+            for (int c = 0; c < 48; c += 32)  // 48 columns: 32, then 16 (the upper half unused)
+              _mm512_mask_storeu_epi16(out + (size_t)(r0 + r) * N + j * 48 + c,
+                                       c == 0 ? 0xFFFFFFFFu : 0xFFFFu,
+                                       (__m512i)_mm512_cvtne2ps_pbh(
+                                           _mm512_loadu_ps(acc + r * 48 + c + 16),
+                                           _mm512_loadu_ps(acc + r * 48 + c)));
+        }
+      }
+  for (int pass = 0; mode != 4 && pass < PASSES; ++pass)
     for (int j = 0; j < PAIRS; ++j) {
       const uint16_t* wj = w + (size_t)j * SLICES * 1024;
       for (int r0 = 0; r0 < rows; r0 += 32) {
@@ -113,12 +165,13 @@ static double walk(int mode, int rows, int hint, int output, double* seconds) {
   free(x);
   free(w);
   free(out);
+  free(held);
   return (double)PASSES * PAIRS * (rows / 32) * SLICES * 4;
 }
 
 int main(int argc, char** argv) {
   if (argc != 5) {
-    fprintf(stderr, "usage: amx_tile_rate MODE(0-3) PANEL_ROWS X_HINT(0|1) OUTPUT(0|1)\n");
+    fprintf(stderr, "usage: amx_tile_rate MODE(0-4) PANEL_ROWS X_HINT(0|1) OUTPUT(0|1)\n");
     return 2;
   }
   const int mode = atoi(argv[1]), rows = atoi(argv[2]) / 32 * 32, hint = atoi(argv[3]),

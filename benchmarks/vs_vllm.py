@@ -9,7 +9,10 @@ cache. `--fresh-processes` starts a new process per engine and round instead (th
 rounds' way). The best of the rounds counts, and the ratios are also given round by round.
 
 Workloads: `short` (prompts of 16-47 random token ids) and `long` (300-800), 64 requests, 128
-new tokens each, greedy, EOS ignored. keel also runs with `dtype="auto"` (its choice for this
+new tokens each, greedy, EOS ignored. `prefill` (asked for with `--workloads`) is the long
+workload's prompt phase alone: prompts of 300-800 token ids (other ids than `long`'s), one new
+token each, timed in prompt tokens/s; beside `long` it shows how an engine's lead splits
+between the prompt steps and the decode steps. keel also runs with `dtype="auto"` (its choice for this
 CPU). The keel processes also measure their decode step at 64 requests and the step's GEMM
 floor (see `gemm_floor`). Appends the JSON of the run to `benchmarks/results/vs_vllm.jsonl`.
 
@@ -39,7 +42,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # --no-amx: what each engine's process is given (no_amx/sitecustomize.py reads KEEL_AMX too).
 NO_AMX_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "KEEL_AMX": "0"}
-WORKLOADS = {"short": (16, 47), "long": (300, 800)}
+WORKLOADS = {"short": (16, 47), "long": (300, 800), "prefill": (300, 800)}
+DEFAULT_WORKLOADS = ["short", "long"]
+PROMPT_ONLY = {"prefill"}  # one new token; timed in prompt tokens/s
+
+
+def max_tokens_for(name: str, max_tokens: int) -> int:
+    return 1 if name in PROMPT_ONLY else max_tokens
+
+
+def rate(name: str, prompts: list[list[int]], tokens: list[list[int]], seconds: float) -> float:
+    """Output tokens/s, or prompt tokens/s for a prompt-only workload."""
+    counted = prompts if name in PROMPT_ONLY else tokens
+    return sum(map(len, counted)) / seconds
 WARMUP = 8  # tokens per prompt of the warm-up run (4 prompts)
 
 
@@ -73,13 +88,14 @@ class Engine:
                      use_tqdm=False)
 
     def run(self, name: str, rnd: int) -> dict:
-        sp = self.sp(temperature=0, max_tokens=self.max_tokens, ignore_eos=True)
+        sp = self.sp(temperature=0, max_tokens=max_tokens_for(name, self.max_tokens),
+                     ignore_eos=True)
         ps = self.prompts["rounds"][rnd][name]
         t0 = time.perf_counter()
         res = self.llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
         dt = time.perf_counter() - t0
         toks = [list(o.outputs[0].token_ids) for o in res]
-        return {"tok_s": sum(map(len, toks)) / dt, "seconds": dt, "tokens": toks}
+        return {"tok_s": rate(name, ps, toks, dt), "seconds": dt, "tokens": toks}
 
 
 def kv_cache_gib(dtype: str) -> float:
@@ -309,9 +325,10 @@ class HFEngine:
         hf_generate(model, prompts["warmup"], 4, WARMUP, self.pad)
 
     def run(self, name: str, rnd: int) -> dict:
-        dt, toks = self.generate(self.model, self.prompts["rounds"][rnd][name],
-                                 32 if name == "short" else 16, self.max_tokens, self.pad)
-        return {"tok_s": sum(map(len, toks)) / dt, "seconds": dt, "tokens": toks}
+        ps = self.prompts["rounds"][rnd][name]
+        dt, toks = self.generate(self.model, ps, 32 if name == "short" else 16,
+                                 max_tokens_for(name, self.max_tokens), self.pad)
+        return {"tok_s": rate(name, ps, toks, dt), "seconds": dt, "tokens": toks}
 
 
 def load_hf(args, prompts: dict) -> tuple[HFEngine, dict]:
@@ -417,7 +434,7 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", default=["keel", "vllm", "hf"])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--hf-dtypes", nargs="+", help="transformers' dtypes (default: --dtypes)")
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    ap.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, choices=list(WORKLOADS))
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
@@ -517,7 +534,7 @@ def report(args) -> None:
             if old is None or res["step_ms"] < old["step_ms"]:
                 best[key]["decode"] = res
             return
-        print(f"  round {rep + 1}: {key[0]:5s} {key[1]:9s} {what:5s} {res['tok_s']:7.1f} tok/s "
+        print(f"  round {rep + 1}: {key[0]:5s} {key[1]:9s} {what:7s} {res['tok_s']:7.1f} tok/s "
               f"({res['seconds']:.1f} s)", flush=True)
         rounds[rep].setdefault("/".join(key), {})[what] = res["tok_s"]
         if key in (("keel", "float32"), ("hf", "float32"), ("keel", "auto"),
@@ -572,7 +589,8 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
         return r[w]["tok_s"] if r and w in r else None
 
     for w in args.workloads:
-        print(f"\n{w} prompts {WORKLOADS[w][0]}-{WORKLOADS[w][1]} tokens (output tokens/s):")
+        unit = "prompt tokens/s, 1 new token" if w in PROMPT_ONLY else "output tokens/s"
+        print(f"\n{w} prompts {WORKLOADS[w][0]}-{WORKLOADS[w][1]} tokens ({unit}):")
         for engine, dtype in sorted(best):
             print(f"  {engine:5s} {dtype:9s} {tok(engine, dtype, w):8.1f}")
         for mode in ("auto", "w8a8", "auto-kv8"):

@@ -409,13 +409,20 @@ class Child:
             if self.proc.poll() is not None or (ready and not chunk):
                 self.stderr.seek(0)
                 tail = self.stderr.read().decode(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.name} failed:\n{tail}")
+                rc = self.proc.poll()
+                how = ("its output closed" if rc is None else f"exit status {rc}" if rc >= 0
+                       else f"killed by signal {-rc}" + (" (out of memory? run fewer engines at "
+                                                         "once)" if rc == -9 else ""))
+                raise RuntimeError(f"{self.name} failed ({how}):\n{tail}")
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
     def ask(self, command: str) -> dict:
-        self.proc.stdin.write(command.encode() + b"\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(command.encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:  # the process is gone: _read says how
+            pass
         return self._read()
 
     def close(self) -> None:
@@ -544,6 +551,7 @@ def report(args) -> None:
             best[key][what] = res
 
     children: dict[tuple[str, str], Child] = {}
+    failure: RuntimeError | None = None
     try:
         if not args.fresh_processes:  # loaded one after another, then all resident
             for key in runs:
@@ -570,6 +578,9 @@ def report(args) -> None:
             for key in order:
                 if key[0] == "keel" and args.floor and "short" in args.workloads:
                     measure(rep, key, children[key], "floor")
+    except RuntimeError as e:  # an engine's process died: what was measured is still reported
+        failure = e
+        print(f"\nstopped early: {e}", flush=True)
     finally:
         for child in children.values():
             child.close()
@@ -579,8 +590,12 @@ def report(args) -> None:
               "best": {f"{e}/{d}": {k: ({w: v for w, v in r.items() if w != "tokens"}
                                         if isinstance(r, dict) else r) for k, r in res.items()}
                        for (e, d), res in best.items()}}
+    if failure is not None:
+        record["stopped_early"] = str(failure)
     with open(HERE / "results" / "vs_vllm.jsonl", "a") as out:
         out.write(json.dumps(record) + "\n")
+    if failure is not None:
+        sys.exit(1)
 
 
 def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None:
@@ -592,7 +607,8 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
         unit = "prompt tokens/s, 1 new token" if w in PROMPT_ONLY else "output tokens/s"
         print(f"\n{w} prompts {WORKLOADS[w][0]}-{WORKLOADS[w][1]} tokens ({unit}):")
         for engine, dtype in sorted(best):
-            print(f"  {engine:5s} {dtype:9s} {tok(engine, dtype, w):8.1f}")
+            if tok(engine, dtype, w) is not None:  # None: a run that stopped early
+                print(f"  {engine:5s} {dtype:9s} {tok(engine, dtype, w):8.1f}")
         for mode in ("auto", "w8a8", "auto-kv8"):
             mine = tok("keel", mode, w)
             for peer in ("vllm", "hf"):

@@ -12,8 +12,8 @@ Workloads: `short` (prompts of 16-47 random token ids) and `long` (300-800), 64 
 new tokens each, greedy, EOS ignored. `prefill` (asked for with `--workloads`) is the long
 workload's prompt phase alone: prompts of 300-800 token ids (other ids than `long`'s), one new
 token each, timed in prompt tokens/s; beside `long` it shows how an engine's lead splits
-between the prompt steps and the decode steps. keel also runs with `dtype="auto"` (its choice for this
-CPU). The keel processes also measure their decode step at 64 requests and the step's GEMM
+between the prompt steps and the decode steps. keel also runs with `dtype="auto"` (its choice
+for this CPU). The keel processes also measure their decode step at 64 requests and the step's GEMM
 floor (see `gemm_floor`). Appends the JSON of the run to `benchmarks/results/vs_vllm.jsonl`.
 
     .venv/bin/python benchmarks/vs_vllm.py                       # needs /tmp/vllm-cpu-venv
@@ -45,6 +45,7 @@ NO_AMX_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "KEEL_AMX": "0"}
 WORKLOADS = {"short": (16, 47), "long": (300, 800), "prefill": (300, 800)}
 DEFAULT_WORKLOADS = ["short", "long"]
 PROMPT_ONLY = {"prefill"}  # one new token; timed in prompt tokens/s
+WARMUP = 8  # tokens per prompt of the warm-up run (4 prompts)
 
 
 def max_tokens_for(name: str, max_tokens: int) -> int:
@@ -55,7 +56,6 @@ def rate(name: str, prompts: list[list[int]], tokens: list[list[int]], seconds: 
     """Output tokens/s, or prompt tokens/s for a prompt-only workload."""
     counted = prompts if name in PROMPT_ONLY else tokens
     return sum(map(len, counted)) / seconds
-WARMUP = 8  # tokens per prompt of the warm-up run (4 prompts)
 
 
 def make_prompts(workload: str, n: int, vocab: int, seed: int, rnd: int = 0

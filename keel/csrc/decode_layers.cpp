@@ -31,6 +31,14 @@ void convert_values(const From* src, To* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<To>(static_cast<float>(src[i]));
 }
 
+// c (contiguous, elements of type From) in dtype `to` (elements of type To).
+template <typename From, typename To>
+at::Tensor converted_as(const at::Tensor& c, at::ScalarType to) {
+  at::Tensor out = at::empty(c.sizes(), c.options().dtype(to));
+  convert_values(c.data_ptr<From>(), out.data_ptr<To>(), c.numel());
+  return out;
+}
+
 // x as float32 or bfloat16 (the other of the two), by keel's own loop: the bits of
 // Tensor::to (vec.h rounds as c10::BFloat16 does), through one allocation instead of to's four
 // dispatched ops. A one-row bfloat16 pass over quantized layers converts 8 times a layer, and
@@ -40,16 +48,8 @@ at::Tensor converted(const at::Tensor& x, at::ScalarType to) {
   const at::ScalarType from = x.scalar_type();
   if (from == to) return x;
   const at::Tensor c = x.contiguous();
-  if (from == at::kBFloat16 && to == at::kFloat) {
-    at::Tensor out = at::empty(c.sizes(), c.options().dtype(to));
-    convert_values(c.data_ptr<c10::BFloat16>(), out.data_ptr<float>(), c.numel());
-    return out;
-  }
-  if (from == at::kFloat && to == at::kBFloat16) {
-    at::Tensor out = at::empty(c.sizes(), c.options().dtype(to));
-    convert_values(c.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), c.numel());
-    return out;
-  }
+  if (from == at::kBFloat16 && to == at::kFloat) return converted_as<c10::BFloat16, float>(c, to);
+  if (from == at::kFloat && to == at::kBFloat16) return converted_as<float, c10::BFloat16>(c, to);
   return c.to(to);
 }
 
@@ -78,9 +78,12 @@ at::Tensor linear_dynamic(const at::Tensor& x, const c10::IValue& packed) {
 }
 
 // torch_paged.paged_attention for a pass with prompt tokens (see PassAttention), [rows, H * D].
+// block_ids: each long chunk's KV blocks (int64, as many as its seq length covers), undefined
+// for a whole prompt (its keys are the pass's own): chunk_blocks, once for every layer.
 at::Tensor pass_attention(const DecodeLayer& L, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& v, const at::Tensor& block_table,
-                          const PassAttention& A, const std::optional<at::Tensor>& ks,
+                          const PassAttention& A, const std::vector<at::Tensor>& block_ids,
+                          const std::optional<at::Tensor>& ks,
                           const std::optional<at::Tensor>& vs) {
   const int64_t rows = q.size(0), D = L.head_dim;
   const at::Tensor q3 = q.view({rows, L.heads, D});
@@ -96,20 +99,17 @@ at::Tensor pass_attention(const DecodeLayer& L, const at::Tensor& q, const at::T
     out.index_copy_(0, A.short_tokens, r.view({A.short_tokens.size(0), -1}));
   }
   const at::Tensor k3 = k.view({rows, L.kv_heads, D}), v3 = v.view({rows, L.kv_heads, D});
-  const int64_t bs = L.key_cache.size(2);
   const at::Tensor chunks = A.long_chunks.contiguous();
   const int64_t* c = chunks.data_ptr<int64_t>();
   for (int64_t i = 0; i < chunks.size(0); ++i) {
-    const int64_t req = c[4 * i], start = c[4 * i + 1], q_len = c[4 * i + 2];
-    const int64_t seq_len = c[4 * i + 3];
+    const int64_t start = c[4 * i + 1], q_len = c[4 * i + 2], seq_len = c[4 * i + 3];
     at::Tensor key, value;
-    if (seq_len == q_len) {  // a whole prompt: its keys are this pass's own
+    if (!block_ids[i].defined()) {  // a whole prompt: its keys are this pass's own
       key = k3.narrow(0, start, q_len);
       value = v3.narrow(0, start, q_len);
     } else {  // its blocks gathered, [blocks, Hkv, bs, D] -> [blocks * bs, Hkv, D], in the
               // query's dtype (torch_paged.cache_rows: a bfloat16 cache under float32)
-      const at::Tensor blocks =
-          block_table[req].narrow(0, 0, (seq_len + bs - 1) / bs).to(at::kLong);
+      const at::Tensor& blocks = block_ids[i];
       auto gather = [&](const at::Tensor& cache) {
         return cache.index_select(0, blocks).to(q.scalar_type()).transpose(1, 2)
             .reshape({-1, L.kv_heads, D}).narrow(0, 0, seq_len);
@@ -123,6 +123,24 @@ at::Tensor pass_attention(const DecodeLayer& L, const at::Tensor& q, const at::T
                             L.sliding_window);
     else
       prefill_attention(q3.narrow(0, start, q_len), key, value, o, L.scale, L.sliding_window);
+  }
+  return out;
+}
+
+// pass_attention's block_ids, once a pass: each long chunk's blocks of block_table (int32)
+// as int64 where the chunk has keys before it, else undefined.
+std::vector<at::Tensor> chunk_blocks(const PassAttention& A, const at::Tensor& block_table,
+                                     int64_t block_size) {
+  std::vector<at::Tensor> out;
+  if (!A.long_chunks.defined()) return out;
+  const at::Tensor chunks = A.long_chunks.contiguous();
+  const int64_t* c = chunks.data_ptr<int64_t>();
+  for (int64_t i = 0; i < chunks.size(0); ++i) {
+    const int64_t req = c[4 * i], q_len = c[4 * i + 2], seq_len = c[4 * i + 3];
+    out.push_back(seq_len == q_len ? at::Tensor()
+                                   : block_table[req]
+                                         .narrow(0, 0, (seq_len + block_size - 1) / block_size)
+                                         .to(at::kLong));
   }
   return out;
 }
@@ -209,6 +227,11 @@ std::tuple<at::Tensor, at::Tensor> DecodePlan::run(at::Tensor hidden,
   block_table = block_table.to(at::kInt).contiguous();
   seq_lens = seq_lens.to(at::kLong).contiguous();
   positions = positions.to(at::kLong).contiguous();
+  // A long chunk's blocks (pass_attention), once for all layers.
+  const std::vector<at::Tensor> blocks =
+      attention.has_value() && !layers_.empty()
+          ? chunk_blocks(*attention, block_table, layers_.front().key_cache.size(2))
+          : std::vector<at::Tensor>();
   at::Tensor x = hidden.contiguous();
   at::Tensor residual;
   bool first = !residual_in.has_value();
@@ -242,7 +265,7 @@ std::tuple<at::Tensor, at::Tensor> DecodePlan::run(at::Tensor hidden,
                    slot_mapping, ks, vs);
     at::Tensor attn =
         attention.has_value()
-            ? pass_attention(L, q, k, v, block_table, *attention, ks, vs)
+            ? pass_attention(L, q, k, v, block_table, *attention, blocks, ks, vs)
             : paged_attention(q.view({rows, L.heads, L.head_dim}), L.key_cache, L.value_cache,
                               block_table, seq_lens, std::nullopt, L.scale, L.sliding_window,
                               ks, vs)

@@ -1,0 +1,82 @@
+"""keel end to end as two other kinds of CPU run it: one with AVX2 and no AVX-512 (keel's
+kernels built for x86-64-v3: the 8-lane paths, no AMX) and an AVX-512 one without AMX tiles
+(`KEEL_AMX=0`, oneDNN held to AVX512_CORE_BF16: `vs_vllm.py --no-amx`). The machines CI runs on
+have AVX-512, most of them AMX, so the rest of the suite tests those paths only kernel by
+kernel. Each kind runs in a process of its own (the build flags and the AMX answer are read
+once a process).
+
+A model with the default model's attention shape (9 heads, 3 KV heads, head size 64, hidden
+576; 2 layers) and prompts longer than the attention kernel's query limit, so that decode rows,
+short prompt rows and long prompt chunks (with and without context before them) all run:
+- float32: greedy tokens identical to transformers', through the fused pass;
+- bfloat16: each prompt token's logprob within 0.25 of transformers' float32 one (0.06-0.07
+  measured on all three kinds; a wrong kernel is off by whole units)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHECK = """
+import os, sys, torch
+sys.path.insert(0, {root!r})
+import keel.cpu_ops as c
+if {avx2!r}:
+    c._CFLAGS = [f if f != "-march=native" else "-march=x86-64-v3" for f in c._CFLAGS]
+ops = c.get_cpu_ops()
+assert ops is not None, "keel's kernels did not build"
+assert not ops.amx_gemm_available() and not ops.prefill_attention_amx_available()
+from pathlib import Path
+from keel import LLM, SamplingParams
+from tests.hf_models import hf_reference, make_hf_model
+from tests.model_executor.test_models import hf_greedy, random_prompt
+
+folder = make_hf_model("llama", Path({folder!r}), hidden_size=576, num_attention_heads=9,
+                       num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                       num_hidden_layers=2, initializer_range=0.05)
+hf = hf_reference(folder)
+prompts = [random_prompt(n, seed=n) for n in (5, 37, 300, 12, 420)]
+want = [hf_greedy(hf, p, 10) for p in prompts]
+ids = [{{"prompt_token_ids": p}} for p in prompts]
+# A 512-token budget: the 420-token prompt's second chunk has its first tokens as context.
+llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=512)
+outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                    use_tqdm=False)
+assert [o.outputs[0].token_ids for o in outs] == want
+model = llm.engine_core.model_executor.driver_worker.model_runner.model
+assert model.model.fused_decode.plan, "the fused pass was not built"
+del llm, outs
+
+llm = LLM(str(folder), dtype="bfloat16", max_num_batched_tokens=512)
+outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                        prompt_logprobs=0), use_tqdm=False)
+worst = 0.0
+for p, o in zip(prompts, outs):
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([p])).logits[0], -1)
+    for i in range(1, len(p)):
+        worst = max(worst, abs(o.prompt_logprobs[i][p[i]].logprob - ref[i - 1, p[i]].item()))
+    assert len(o.outputs[0].token_ids) == 4
+assert worst < 0.25, worst
+print("ok", worst)
+"""
+
+
+@pytest.mark.parametrize("kind", ["avx2", "avx512-no-amx"])
+def test_other_cpu_kinds_match_transformers(kind, tmp_path):
+    with open("/proc/cpuinfo") as f:
+        flags = f.read().split()
+    assert "avx2" in flags, "keel's CI machines have AVX2"
+    env = dict(os.environ)
+    if kind == "avx512-no-amx":
+        env.update(KEEL_AMX="0", ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
+    code = CHECK.format(root=str(ROOT), avx2=kind == "avx2", folder=str(tmp_path / "model"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=900, check=False)
+    assert out.returncode == 0 and out.stdout.strip().startswith("ok"), out.stderr[-3000:]

@@ -461,6 +461,9 @@ def main() -> None:
     ap.add_argument("--keel-gguf", action="store_true",
                     help="also run keel in bfloat16 on the .gguf file the model folder was "
                          "converted from (the same values; its int4 / Q8_0 blocks kept)")
+    ap.add_argument("--keep-duplicates", action="store_true",
+                    help="run keel in a dtype that `auto` resolves to on this CPU in a process "
+                         "of its own too (by default `auto`'s figures stand for it)")
     ap.add_argument("--no-amx", action="store_true",
                     help="every engine as on an AVX-512 CPU without AMX tiles, on a CPU that "
                          "has them: oneDNN capped at AVX512_CORE_BF16, keel's AMX kernels off "
@@ -523,6 +526,11 @@ def report(args) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
 
+    # A keel dtype that `auto` resolves to on this CPU (bfloat16 where it has AMX) is the same
+    # configuration: its process would measure the same engine again, and only the host's
+    # phases would tell the two apart (forty-third round). It is measured once, as `auto`.
+    same_as: dict[tuple[str, str], tuple[str, str]] = {}
+
     def start(key: tuple[str, str]) -> Child:
         child = Child(args, *key, folder, f.name)
         info = child.info
@@ -530,6 +538,12 @@ def report(args) -> None:
               + (f", computes in {info['dtype']}, K/V in {info.get('kv_dtype', info['dtype'])}"
                  if key[0] == "keel" else ""), flush=True)
         best.setdefault(key, dict(info))
+        if key == ("keel", "auto") and not args.keep_duplicates:
+            for d in args.dtypes:
+                if ("keel", d) in runs and info["dtype"] == d == info.get("kv_dtype"):
+                    same_as[("keel", d)] = key
+                    print(f"  keel  {d:9s} the same configuration as auto on this CPU: "
+                          "measured once, as auto (--keep-duplicates runs it too)", flush=True)
         return child
 
     def measure(rep: int, key: tuple[str, str], child: Child, what: str) -> None:
@@ -555,11 +569,14 @@ def report(args) -> None:
     try:
         if not args.fresh_processes:  # loaded one after another, then all resident
             for key in runs:
-                children[key] = start(key)
+                if key not in same_as:  # auto is first: its duplicates are known by now
+                    children[key] = start(key)
         for rep in range(args.repeats):
             rounds.append({})
             if args.fresh_processes:
                 for key in runs:
+                    if key in same_as:
+                        continue
                     child = start(key)
                     try:
                         for w in args.workloads:
@@ -571,7 +588,8 @@ def report(args) -> None:
                 continue
             # Each workload runs on every engine in turn, so that engines compared are minutes
             # apart, not a round apart; every other round in the reverse order.
-            order = runs if rep % 2 == 0 else runs[::-1]
+            order = [key for key in runs if key not in same_as]
+            order = order if rep % 2 == 0 else order[::-1]
             for w in args.workloads:
                 for key in order:
                     measure(rep, key, children[key], w)
@@ -585,6 +603,11 @@ def report(args) -> None:
         for child in children.values():
             child.close()
         os.unlink(f.name)
+    for key, src in same_as.items():  # the dtype's figures are auto's
+        best[key] = {**best[src], "same_as": "/".join(src)}
+        for r in rounds:
+            if "/".join(src) in r:
+                r["/".join(key)] = r["/".join(src)]
     print_tables(args, best, rounds, same_round)
     record = {"header": header, "time": time.strftime("%Y-%m-%d %H:%M"), "rounds": rounds,
               "best": {f"{e}/{d}": {k: ({w: v for w, v in r.items() if w != "tokens"}
@@ -608,7 +631,9 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
         print(f"\n{w} prompts {WORKLOADS[w][0]}-{WORKLOADS[w][1]} tokens ({unit}):")
         for engine, dtype in sorted(best):
             if tok(engine, dtype, w) is not None:  # None: a run that stopped early
-                print(f"  {engine:5s} {dtype:9s} {tok(engine, dtype, w):8.1f}")
+                same = best[(engine, dtype)].get("same_as")
+                print(f"  {engine:5s} {dtype:9s} {tok(engine, dtype, w):8.1f}"
+                      + (f"  ({same}'s process: the same configuration)" if same else ""))
         for mode in ("auto", "w8a8", "auto-kv8"):
             mine = tok("keel", mode, w)
             for peer in ("vllm", "hf"):
@@ -653,7 +678,7 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
             print(f"keel auto-kv8 greedy sequences against keel auto ({w}), round by round: "
                   + "; ".join(kv8))
     for (engine, dtype), r in sorted(best.items()):
-        if "decode" in r:
+        if "decode" in r and "same_as" not in r:
             d = r["decode"]
             print(f"keel {dtype}: decode step at {args.num_prompts} requests "
                   f"{d['step_ms']:.1f} ms, its GEMMs alone at this machine's best rate "

@@ -366,3 +366,26 @@ def test_a_rows_output_does_not_depend_on_the_pass(ops):
                                   for i in range(0, m, 64)]), whole)
     for i in (0, 127, 128, 511, 512, 1099):
         assert torch.equal(ops.amx_gemm(x[i : i + 1], packed, n), whole[i : i + 1])
+
+
+@pytest.mark.parametrize("onednn_faster_by", [1.1, 2.0])
+def test_amx_gemm_choice_favours_keel_within_the_margin(ops, monkeypatch, onednn_faster_by):
+    """The AMX GEMM is measured against oneDNN's once per process, with the weight hot, 5
+    rounds in turn, and kept unless oneDNN's is faster by more than OWN_KERNEL_MARGIN: the
+    hot measurement understates its lead when a decode step reads the weights from memory."""
+    calls = []
+
+    def fake_time(dtype, *args, kernel="onednn"):
+        calls.append(kernel)
+        return {"amx": onednn_faster_by, "onednn": 1.0}[kernel]
+
+    monkeypatch.delenv("KEEL_AMX_GEMM", raising=False)
+    monkeypatch.delenv("KEEL_CPU_GEMM", raising=False)
+    monkeypatch.setattr(linear_mod, "_time_packed_gemm", fake_time)
+    monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
+    if not (ops.amx_gemm_available() and linear_mod._onednn_available()):
+        assert not amx_choice.amx_gemm_chosen() and not calls  # nothing to measure
+        return
+    keel = onednn_faster_by < linear_mod.OWN_KERNEL_MARGIN
+    assert amx_choice.amx_gemm_chosen() == keel and amx_choice.amx_gemm_chosen() == keel
+    assert sorted(calls) == ["amx"] * 5 + ["onednn"] * 5  # measured once, 5 rounds in turn

@@ -47,8 +47,8 @@ _amx_bytes_left: int | None = None  # the copies' memory budget (see _amx_budget
 
 def amx_gemm_chosen() -> bool:
     """Whether bfloat16 decode-sized passes run on keel's AMX GEMM: built, with AMX tiles,
-    not turned off (KEEL_AMX_GEMM=0), and measured faster than oneDNN's at 64 rows (once per
-    process)."""
+    not turned off (KEEL_AMX_GEMM=0), and not measured slower than oneDNN's at 64 rows by more
+    than gemm_choice.OWN_KERNEL_MARGIN (once per process)."""
     global _amx_gemm_faster
     if _amx_gemm_faster is None:
         _amx_gemm_faster = False
@@ -59,8 +59,9 @@ def amx_gemm_chosen() -> bool:
             ops = get_cpu_ops()
             if ops is not None and hasattr(ops, "amx_gemm") and ops.amx_gemm_available():
                 gc._keel_ops = ops
-                _amx_gemm_faster = gc._first_faster((torch.bfloat16, "amx"), (torch.bfloat16,))
-                logger.info("bfloat16 passes of up to %d rows: %s's GEMM (measured faster at "
+                _amx_gemm_faster = gc._first_faster((torch.bfloat16, "amx"), (torch.bfloat16,),
+                                                    gc._CHOICE_ROUNDS, gc.OWN_KERNEL_MARGIN)
+                logger.info("bfloat16 passes of up to %d rows: %s's GEMM (measured at "
                             "64 x 1536 x 576)", AMX_GEMM_MAX_ROWS,
                             "keel" if _amx_gemm_faster else "oneDNN")
     return _amx_gemm_faster

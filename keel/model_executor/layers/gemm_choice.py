@@ -9,9 +9,10 @@ the call are in packed_weights.py, the choices here. Two packed GEMMs, chosen on
   there it ran as fast as oneDNN with the weights hot in cache and 1.13-1.15x faster with them
   cold, as in a real step that reads every layer's weights from memory (BENCHMARKS.md, sixth
   round). On a CPU with AVX-512 keel's runs 16-lane tiles of up to 10 rows against 32 columns
-  (the same bits); there the two are timed once at a decode shape and the faster kept (keel's
-  ran 1.36-1.46x oneDNN's at 64 rows with the weights from memory, 0.99-1.01x at 2,048 rows, on
-  an Intel Xeon with AMX; BENCHMARKS.md, thirty-second round).
+  (the same bits); there the two are timed once at a decode shape, and keel's is kept unless
+  oneDNN's is faster by more than OWN_KERNEL_MARGIN (keel's ran 1.36-1.46x oneDNN's at 64 rows
+  with the weights from memory, 0.99-1.01x at 2,048 rows, on an Intel Xeon with AMX;
+  BENCHMARKS.md, thirty-second round; the margin: forty-fourth round).
 - oneDNN's, through torch (`torch.ops.mkldnn`), in the blocked layout it reads fastest: 1.5x
   faster than `F.linear`'s MKL path in float32 here, 1.2x in bfloat16.
 `KEEL_CPU_GEMM=keel|onednn` forces one; `KEEL_CPU_GEMM=torch` packs nothing (plain `F.linear`).
@@ -78,6 +79,19 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 _bf16_slower_than_fp32: bool | None = None  # measured once per process
 _keel_gemm_faster: bool | None = None  # chosen once per process
+
+# keel's own decode GEMMs (this file's and amx_choice's) are measured against oneDNN's with
+# the weight hot in cache, a fraction of a millisecond at load, but a decode step reads every
+# layer's weight from memory, where keel's kernels stream it ahead of the arithmetic. So they
+# are kept unless oneDNN measures faster by more than this factor, over 5 rounds in turn. On
+# an Intel Xeon (AMX visible and hidden) the hot ratio keel / oneDNN read 0.77-1.06 from one
+# process to the next for the float32 GEMM and 0.62-1.16 for the AMX one, so the plain
+# comparison chose oneDNN in about one process of five; in the engine, alternated in one
+# process, keel's float32 GEMM gave 1.23-1.38x oneDNN's tokens/s on short prompts and
+# 1.22-1.31x on long ones with AMX hidden, and the AMX GEMM 1.10-1.36x and 0.99-1.22x
+# (BENCHMARKS.md, forty-fourth round).
+OWN_KERNEL_MARGIN = 1.15
+_CHOICE_ROUNDS = 5
 _keel_ops: Any = None  # keel's compiled kernels, once keel_gemm_chosen() has found them
 
 
@@ -114,31 +128,32 @@ def keel_gemm_chosen() -> bool:
         return True
     if _keel_gemm_faster is None:
         measure = _onednn_available() and torch.backends.cpu.get_cpu_capability() != "AVX2"
-        _keel_gemm_faster = not measure or _first_faster((torch.float32, "keel"),
-                                                         (torch.float32,))
+        _keel_gemm_faster = not measure or _first_faster(
+            (torch.float32, "keel"), (torch.float32,), _CHOICE_ROUNDS, OWN_KERNEL_MARGIN)
         logger.info("Linear layers run on %s's GEMM (%s)",
                     "keel" if _keel_gemm_faster else "oneDNN",
-                    "measured faster on this CPU" if measure else "AVX2 CPU, or no oneDNN")
+                    f"measured on this CPU, keel's kept unless oneDNN's is {OWN_KERNEL_MARGIN}x "
+                    "faster" if measure else "AVX2 CPU, or no oneDNN")
     return _keel_gemm_faster
 
 
-def _first_faster(a: tuple, b: tuple, rounds: int = 3) -> bool:
-    """Whether the packed GEMM `_time_packed_gemm(*a)` is faster than `_time_packed_gemm(*b)`:
-    each timed `rounds` times, in turn, the best kept. On a shared host a burst of another
-    tenant's work can slow one side's only window: measured one after the other, the AMX GEMM
-    once lost to oneDNN (140 us against 93 a minute later), and the choice holds for the
-    process."""
+def _first_faster(a: tuple, b: tuple, rounds: int = 3, margin: float = 1.0) -> bool:
+    """Whether the packed GEMM `_time_packed_gemm(*a)` is faster than `_time_packed_gemm(*b)`
+    (by `margin`, see _faster): each timed `rounds` times, in turn, the best kept. On a shared
+    host a burst of another tenant's work can slow one side's only window: measured one after
+    the other, the AMX GEMM once lost to oneDNN (140 us against 93 a minute later), and the
+    choice holds for the process."""
     def timed(dtype: torch.dtype, kernel: str | None = None) -> Callable[[], float]:
         return lambda: (_time_packed_gemm(dtype) if kernel is None
                         else _time_packed_gemm(dtype, kernel=kernel))
 
-    return _faster(timed(*a), timed(*b), rounds)
+    return _faster(timed(*a), timed(*b), rounds, margin)
 
 
 def _faster(time_a: Callable[[], float], time_b: Callable[[], float], rounds: int,
             margin: float = 1.0) -> bool:
-    """Whether a is faster than b (by `margin`): each timing called `rounds` times, in turn,
-    the best of each kept."""
+    """Whether a is faster than b by `margin` (a's time below margin x b's: a margin above 1
+    favours a): each timing called `rounds` times, in turn, the best of each kept."""
     ta = tb = float("inf")
     for _ in range(rounds):
         ta = min(ta, time_a())

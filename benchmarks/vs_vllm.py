@@ -132,7 +132,13 @@ def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
     # The decode step is measured at the short prompts' contexts.
     engine.floor = lambda: decode_step_and_floor(llm, prompts["rounds"][0]["short"],
                                                  prompts["rounds"][0].get("long"))
-    return engine, {"startup_s": startup, "dtype": dtype, "kv_dtype": kv_dtype}
+    from keel.model_executor.layers import amx_choice, gemm_choice
+
+    # The load-time kernel choices (None: not measured in this process), so that a record
+    # shows when one went the other way (forty-fourth round).
+    gemms = {"float32 GEMMs": gemm_choice._keel_gemm_faster,
+             "bfloat16 decode GEMMs": amx_choice._amx_gemm_faster}
+    return engine, {"startup_s": startup, "dtype": dtype, "kv_dtype": kv_dtype, "gemms": gemms}
 
 
 def decode_step_and_floor(llm, prompts: list[list[int]], long: list[list[int]] | None = None
@@ -536,6 +542,8 @@ def report(args) -> None:
         info = child.info
         print(f"  {key[0]:5s} {key[1]:9s} loaded: start-up {info['startup_s']:.1f} s"
               + (f", computes in {info['dtype']}, K/V in {info.get('kv_dtype', info['dtype'])}"
+                 + "".join(f", {k}: {'keel' if v else 'oneDNN'}"
+                           for k, v in info.get("gemms", {}).items() if v is not None)
                  if key[0] == "keel" else ""), flush=True)
         best.setdefault(key, dict(info))
         if key == ("keel", "auto") and not args.keep_duplicates:

@@ -2,9 +2,10 @@
 
 A bfloat16 layer on oneDNN also keeps a copy of its weight in the GEMM's tile layout. The GEMM
 takes the passes of up to `AMX_GEMM_MAX_ROWS` rows (decode steps) unless oneDNN's times faster
-by more than gemm_choice.OWN_KERNEL_MARGIN at load, and the longer passes (prompt chunks) too if a prompt chunk's MLP also times
-faster on it: up to `AMX_PROMPT_SPLIT_ROWS` rows measured at 512 (`amx_prompt_chosen`), past
-that at 2,048 (`amx_long_chosen`; `KEEL_AMX_PROMPT=0|1` forces both); else oneDNN keeps them.
+by more than gemm_choice.OWN_KERNEL_MARGIN at load, and the longer passes (prompt chunks) too
+if a prompt chunk's MLP also times faster on it: up to `AMX_PROMPT_SPLIT_ROWS` rows measured
+at 512 (`amx_prompt_chosen`), past that at 2,048 (`amx_long_chosen`; `KEEL_AMX_PROMPT=0|1`
+forces both); else oneDNN keeps them.
 The copies may take a quarter of the memory available at load; past that the remaining layers
 run on oneDNN alone. `KEEL_AMX_GEMM=0` turns it off.
 

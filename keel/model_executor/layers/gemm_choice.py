@@ -86,7 +86,7 @@ _keel_gemm_faster: bool | None = None  # chosen once per process
 # are kept unless oneDNN measures faster by more than this factor, over 5 rounds in turn. On
 # an Intel Xeon (AMX visible and hidden) the hot ratio keel / oneDNN read 0.77-1.06 from one
 # process to the next for the float32 GEMM and 0.62-1.16 for the AMX one, so the plain
-# comparison chose oneDNN in about one process of five; in the engine, alternated in one
+# comparison chose oneDNN in 3 processes of 15 and 1 of 11; in the engine, alternated in one
 # process, keel's float32 GEMM gave 1.23-1.38x oneDNN's tokens/s on short prompts and
 # 1.22-1.31x on long ones with AMX hidden, and the AMX GEMM 1.10-1.36x and 0.99-1.22x
 # (BENCHMARKS.md, forty-fourth round).

@@ -29,7 +29,9 @@ only on the CPU. A build's folder is named by a digest of everything that makes 
 flags, this CPU, torch and Python), so a later start imports the finished build directly:
 the JIT builder's own check (importing setuptools, running ninja) cost ~0.3 s of every start.
 If they cannot be built (no compiler), keel logs why and keeps the torch code.
-`KEEL_CPU_KERNEL=0` turns them all off.
+`KEEL_CPU_KERNEL=0` turns them all off. `KEEL_CPU_MARCH` builds them for another target than
+this CPU (`-march=<value>`, e.g. `x86-64-v3` for any AVX2 machine, or `x86-64-v4`): for a
+cache shared by a fleet of CPU kinds, or to run this CPU as an older one (the tests do).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp",
             "quant_gemm.cpp", "quant_gemm_q8.cpp", "decode_layers.cpp", "gemm.cpp",
             "amx_gemm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+_MARCH_ENV = "KEEL_CPU_MARCH"
 _module: Any = None
 _tried = False
 
@@ -67,6 +70,18 @@ def _cpu_identity() -> bytes:
 
 
 _DONE = "keel-build-done"  # written after a build has linked and imported
+
+
+def _cflags() -> list[str]:
+    """The compiler flags: `_CFLAGS`, with `-march=$KEEL_CPU_MARCH` when that is set."""
+    march = os.environ.get(_MARCH_ENV, "").strip()
+    if not march or march == "native":
+        return list(_CFLAGS)
+    if not all(ch.isalnum() or ch in "-_." for ch in march):
+        raise ValueError(f"{_MARCH_ENV}={march!r} is not a -march value the compiler takes "
+                         "(e.g. x86-64-v3, x86-64-v4, sapphirerapids, znver4); unset it to "
+                         "build for this CPU.")
+    return [f"-march={march}" if f == "-march=native" else f for f in _CFLAGS]
 
 
 def _build_root() -> Path:
@@ -125,7 +140,8 @@ def get_cpu_ops() -> Any | None:
         # torch's and Python's versions are too, as the build is loaded without a rebuild check.
         import torch
 
-        digest = hashlib.sha256(" ".join(_CFLAGS).encode() + _cpu_identity())
+        cflags = _cflags()
+        digest = hashlib.sha256(" ".join(cflags).encode() + _cpu_identity())
         digest.update(f"{torch.__version__} {sys.version} {getattr(sys, 'abiflags', '')}".encode())
         for f in sorted(_CSRC.iterdir()):
             digest.update(f.name.encode() + f.read_bytes())
@@ -140,7 +156,7 @@ def get_cpu_ops() -> Any | None:
             _module = load(
                 name=name,
                 sources=[str(_CSRC / s) for s in _SOURCES],
-                extra_cflags=_CFLAGS,
+                extra_cflags=cflags,
                 extra_ldflags=["-fopenmp"],
                 extra_include_paths=[str(_CSRC)],
                 build_directory=str(folder),
@@ -148,7 +164,10 @@ def get_cpu_ops() -> Any | None:
             )
             _mark_built(folder, name)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: torch path
-        logger.warning("keel's CPU kernels are unavailable (%s); using torch ops instead.", e)
+        march = os.environ.get(_MARCH_ENV)
+        hint = f" (built with {_MARCH_ENV}={march!r}: check the value)" if march else ""
+        logger.warning("keel's CPU kernels are unavailable (%s)%s; using torch ops instead.",
+                       e, hint)
         _module = None
     return _module
 

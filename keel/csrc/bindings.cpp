@@ -4,6 +4,9 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <string>
+#include <vector>
+
 #include "decode_layers.h"
 #include "ops.h"
 
@@ -92,6 +95,39 @@ PassAttention make_pass_attention(at::Tensor token_rows, at::Tensor token_seq_le
   return a;
 }
 
+// The instruction sets this build was compiled for (its -march), as the compiler saw them.
+std::vector<std::string> built_for() {
+  std::vector<std::string> isa;
+#ifdef __AVX2__
+  isa.emplace_back("avx2");
+#endif
+#ifdef __FMA__
+  isa.emplace_back("fma");
+#endif
+#ifdef __AVX512F__
+  isa.emplace_back("avx512f");
+#endif
+#ifdef __AVX512BF16__
+  isa.emplace_back("avx512_bf16");
+#endif
+#ifdef __AVX512FP16__
+  isa.emplace_back("avx512_fp16");
+#endif
+#ifdef __AVX512VNNI__
+  isa.emplace_back("avx512_vnni");
+#endif
+#ifdef __AVXVNNI__
+  isa.emplace_back("avx_vnni");
+#endif
+#ifdef __AMX_TILE__
+  isa.emplace_back("amx_tile");
+#endif
+#ifdef __AMX_BF16__
+  isa.emplace_back("amx_bf16");
+#endif
+  return isa;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -143,6 +179,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"),
         pybind11::arg("bias") = pybind11::none());
   m.def("gemm_available", &gemm_available, "gemm built (AVX2 + FMA)");
+  m.def("built_for", &built_for, "the instruction sets this build was compiled for");
   pybind11::class_<PlanLinear>(m, "PlanLinear", "one linear layer of a DecodePlan")
       .def(pybind11::init(&make_linear), pybind11::arg("q"), pybind11::arg("d"),
            pybind11::arg("m"), pybind11::arg("max_rows"), pybind11::arg("act_parts"),

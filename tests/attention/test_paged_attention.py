@@ -4,6 +4,7 @@ SDPA), and keel's compiled CPU kernel, which takes decode rows and short prompt 
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import time
@@ -391,6 +392,37 @@ def test_kernels_import_their_finished_build(monkeypatch):
     assert ops is not None and hasattr(ops, "paged_attention")
 
 
+def test_the_build_target_is_chosen_by_keel_cpu_march(monkeypatch, caplog):
+    """`KEEL_CPU_MARCH` replaces `-march=native` (and so names another build folder); a value
+    the compiler could not take is refused with the variable named, and keel keeps torch ops;
+    the build in use says what it was compiled for."""
+    from keel import cpu_ops
+
+    monkeypatch.delenv("KEEL_CPU_MARCH", raising=False)
+    assert "-march=native" in cpu_ops._cflags()
+    monkeypatch.setenv("KEEL_CPU_MARCH", "x86-64-v3")
+    flags = cpu_ops._cflags()
+    assert "-march=x86-64-v3" in flags and "-march=native" not in flags
+    assert [f for f in flags if not f.startswith("-march")] == \
+        [f for f in cpu_ops._CFLAGS if not f.startswith("-march")]
+    monkeypatch.setenv("KEEL_CPU_MARCH", "v3; rm -rf /")
+    with pytest.raises(ValueError, match="KEEL_CPU_MARCH"):
+        cpu_ops._cflags()
+    monkeypatch.setattr(cpu_ops, "_tried", False)
+    monkeypatch.setattr(cpu_ops, "_module", None)
+    with caplog.at_level("WARNING", logger="keel.cpu_ops"):
+        assert cpu_ops.get_cpu_ops() is None
+    assert "KEEL_CPU_MARCH" in caplog.text
+    monkeypatch.delenv("KEEL_CPU_MARCH")
+    monkeypatch.setattr(cpu_ops, "_tried", False)
+    ops = cpu_ops.get_cpu_ops()  # this CPU's own build, already made by the tests before
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    assert "avx2" in ops.built_for()
+    assert ("avx512f" in ops.built_for()) == ("avx512f" in flags)
+    assert ops.amx_gemm_available() <= ("amx_tile" in ops.built_for())
+
+
 def test_unfinished_or_broken_build_is_not_imported(tmp_path):
     """A build folder without the finished marker is left to the JIT builder, and one whose
     library does not import loses its marker (so it is built again)."""
@@ -522,8 +554,9 @@ def test_the_avx2_build_reads_an_int8_cache(tmp_path):
 import sys, torch
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import keel.cpu_ops as c
-c._CFLAGS = [f if f != "-march=native" else "-march=x86-64-v3" for f in c._CFLAGS]
-assert c.get_cpu_ops() is not None
+ops = c.get_cpu_ops()
+assert ops is not None
+assert "avx2" in ops.built_for() and "avx512f" not in ops.built_for(), ops.built_for()
 from test_paged_attention import run_case
 seq_lens = [1, 13, 40, 64, 5, 150, 97]
 for cache, dtype, tol in ((torch.int8, torch.float32, 1e-5), (torch.int8, torch.bfloat16, 3e-2),
@@ -536,6 +569,7 @@ for cache, dtype, tol in ((torch.int8, torch.float32, 1e-5), (torch.int8, torch.
         assert (out - ref).abs().max().item() < tol, (cache, dtype, window)
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    env = {**os.environ, "KEEL_CPU_MARCH": "x86-64-v3"}  # AVX2 and FMA, no AVX-512
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=600, check=False)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

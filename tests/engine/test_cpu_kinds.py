@@ -28,10 +28,9 @@ CHECK = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
 import keel.cpu_ops as c
-if {avx2!r}:
-    c._CFLAGS = [f if f != "-march=native" else "-march=x86-64-v3" for f in c._CFLAGS]
 ops = c.get_cpu_ops()
 assert ops is not None, "keel's kernels did not build"
+assert ("avx512f" in ops.built_for()) == {avx512!r}, ops.built_for()
 assert not ops.amx_gemm_available() and not ops.prefill_attention_amx_available()
 from pathlib import Path
 from keel import LLM, SamplingParams
@@ -76,7 +75,11 @@ def test_other_cpu_kinds_match_transformers(kind, tmp_path):
     assert "avx2" in flags, "keel's CI machines have AVX2"
     env = {**os.environ, "KEEL_AMX": "0",
            "ONEDNN_MAX_CPU_ISA": "AVX2" if kind == "avx2" else "AVX512_CORE_BF16"}
-    code = CHECK.format(root=str(ROOT), avx2=kind == "avx2", folder=str(tmp_path / "model"))
+    env.pop("KEEL_CPU_MARCH", None)
+    if kind == "avx2":
+        env["KEEL_CPU_MARCH"] = "x86-64-v3"  # keel's kernels built for AVX2, no AVX-512
+    code = CHECK.format(root=str(ROOT), avx512=kind != "avx2" and "avx512f" in flags,
+                        folder=str(tmp_path / "model"))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=900, check=False)
     assert out.returncode == 0 and out.stdout.strip().startswith("ok"), out.stderr[-3000:]

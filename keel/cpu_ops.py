@@ -49,7 +49,7 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp",
             "prefill_attention_amx.cpp", "fused_ops.cpp",
             "quant_gemm.cpp", "quant_gemm_q8.cpp", "decode_layers.cpp", "gemm.cpp",
-            "amx_gemm.cpp")
+            "amx_gemm.cpp", "fp16_gemm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _MARCH_ENV = "KEEL_CPU_MARCH"
 _module: Any = None

@@ -180,6 +180,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias") = pybind11::none());
   m.def("gemm_available", &gemm_available, "gemm built (AVX2 + FMA)");
   m.def("built_for", &built_for, "the instruction sets this build was compiled for");
+  m.def("fp16_gemm_pack", &fp16_gemm_pack,
+        "W [N, K] (float32 / bfloat16) in fp16_gemm's float16 panels, and its largest |W|");
+  m.def("fp16_gemm", &fp16_gemm, "x @ W^T (+ bias) on float16 FMAs, float32 in and out",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("w_max"),
+        pybind11::arg("bias") = pybind11::none());
+  m.def("fp16_gemm_available", &fp16_gemm_available, "built with AVX512-FP16");
   pybind11::class_<PlanLinear>(m, "PlanLinear", "one linear layer of a DecodePlan")
       .def(pybind11::init(&make_linear), pybind11::arg("q"), pybind11::arg("d"),
            pybind11::arg("m"), pybind11::arg("max_rows"), pybind11::arg("act_parts"),

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <tuple>
 
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_table, at::Tensor seq_lens,
@@ -74,3 +75,10 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
 at::Tensor amx_gemm_f32(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,
                         bool silu_mul);
 bool amx_gemm_available();
+// float32 x [M, K] @ W^T (+ bias) on AVX512-FP16's float16 FMAs (fp16_gemm.cpp), W packed once
+// by fp16_gemm_pack (which also gives the largest |W|, fp16_gemm's w_max). Not used by the
+// engine yet.
+std::tuple<at::Tensor, double> fp16_gemm_pack(at::Tensor weight);
+at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
+                     std::optional<at::Tensor> bias);
+bool fp16_gemm_available();

@@ -1,0 +1,79 @@
+"""keel's float16-FMA GEMM (`fp16_gemm`, AVX512-FP16) against keel's float32 GEMM (`gemm`, the
+one `auto` runs on a CPU without AMX) and oneDNN's float32 linear, over the default model's 30
+layers of decode GEMMs (qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536; weights
+from a bfloat16 checkpoint, random values), each layer's own weights so that they stream from
+memory as in a decode step. The three alternate, best and median of the rounds per pass.
+
+    .venv/bin/python benchmarks/fp16_gemm_rate.py [--rows 64 512] [--rounds 7]
+
+BENCHMARKS.md, forty-fifth round. Needs a CPU with AVX512-FP16 (run with AMX visible or not:
+none of the three uses the tiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from keel.cpu_ops import get_cpu_ops
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one layer's GEMMs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 512])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--layers", type=int, default=30)
+    args = ap.parse_args()
+    ops = get_cpu_ops()
+    assert ops is not None and ops.fp16_gemm_available(), "needs keel's kernels with AVX512-FP16"
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        for n, k in SHAPES:
+            w = (torch.randn(n, k) * 0.05).bfloat16()
+            packed16, w_max = ops.fp16_gemm_pack(w)
+            layers.append((n, k, ops.gemm_pack(w), packed16, w_max, w.float()))
+    flops = {m: sum(2 * m * n * k for n, k, *_ in layers) for m in args.rows}
+    xs = {(m, k): torch.randn(m, k) for m in args.rows for k in {k for _, k in SHAPES}}
+
+    def keel_f32(m):
+        for n, k, p32, _, _, _ in layers:
+            ops.gemm(xs[m, k], p32, n)
+
+    def keel_f16(m):
+        for n, k, _, p16, w_max, _ in layers:
+            ops.fp16_gemm(xs[m, k], p16, n, w_max)
+
+    def onednn(m):
+        for n, k, _, _, _, w in layers:
+            torch.nn.functional.linear(xs[m, k], w)
+
+    engines = {"keel float32 (gemm)": keel_f32, "keel fp16 (fp16_gemm)": keel_f16,
+               "oneDNN float32": onednn}
+    print(f"# {torch.get_num_threads()} threads, {args.layers} layers, "
+          f"cpu: {', '.join(ops.built_for())}")
+    for m in args.rows:
+        times = {name: [] for name in engines}
+        for fn in engines.values():
+            fn(m)  # warm-up
+        for r in range(args.rounds):
+            order = list(engines.items())
+            for name, fn in order if r % 2 == 0 else order[::-1]:
+                t = time.perf_counter()
+                fn(m)
+                times[name].append(time.perf_counter() - t)
+        base = statistics.median(times["keel float32 (gemm)"])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"{m:4d} rows  {name:22s} best {min(ts) * 1e3:7.2f} ms  median "
+                  f"{med * 1e3:7.2f} ms  {flops[m] / med / 1e9:6.1f} GFLOP/s  "
+                  f"keel float32 / this {base / med:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""keel's float16-FMA GEMM (keel/csrc/fp16_gemm.cpp, for CPUs with AVX512-FP16 and no AMX; not
+used by the engine yet): against a float64 reference, closer than bfloat16 arithmetic is, on
+decode and prompt shapes with partial tiles, odd K and N; no float16 sum overflows, however
+large x is; the packing and the arguments are checked. Where the build has no AVX512-FP16 the
+op says so and raises (the test checks that instead)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.cpu_ops import get_cpu_ops
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = get_cpu_ops()
+    assert ops is not None, "the CPU kernels must build on this machine"
+    assert ops.fp16_gemm_available() == ("avx512_fp16" in ops.built_for())
+    return ops
+
+
+def bf16_arithmetic(x, w, b):
+    """What bfloat16 arithmetic gives: inputs rounded to bfloat16, float32 sums."""
+    out = x.bfloat16().float() @ w.bfloat16().float().t()
+    return out if b is None else out + b
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 48, 64), (5, 960, 576), (10, 576, 576), (23, 40, 33),
+                                     (64, 3072, 576), (64, 576, 1536), (130, 112, 300),
+                                     (7, 16, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_the_reference(ops, m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g) if with_bias else None
+    packed, w_max = ops.fp16_gemm_pack(w)
+    assert packed.dtype == torch.float16 and tuple(packed.shape) == ((n + 15) // 16,
+                                                                      (k + 1) // 2, 32)
+    assert w_max == w.float().abs().max().item()
+    ref = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+    if not ops.fp16_gemm_available():
+        with pytest.raises(RuntimeError, match="AVX512-FP16"):
+            ops.fp16_gemm(x, packed, n, w_max, b)
+        return
+    out = ops.fp16_gemm(x, packed, n, w_max, b)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    err = (out.double() - ref).abs()
+    bf16_err = (bf16_arithmetic(x, w.float(), b).double() - ref).abs()
+    scale = ref.abs().max().item()
+    # Within float16's rounding of x and of sums of <= 128 products: on average closer than
+    # bfloat16 arithmetic (0.7x here: x keeps 11 bits, not 8), at worst about as close.
+    assert err.max().item() <= 4e-3 * scale + 1e-6, (err.max().item(), scale)
+    if k > 1:
+        assert err.mean().item() < 0.85 * bf16_err.mean().item(), (err.mean(), bf16_err.mean())
+        assert err.max().item() < 1.25 * bf16_err.max().item(), (err.max(), bf16_err.max())
+
+
+def test_no_float16_sum_overflows(ops):
+    """Rows of very different sizes (1e-3 to 1e6, far past float16's 65504), a zero row and a
+    float32 weight: each row's power-of-two scale keeps every float16 sum finite."""
+    g = torch.Generator().manual_seed(0)
+    k, n = 1536, 96
+    x = torch.randn(6, k, generator=g) * torch.tensor([1e-3, 1.0, 3e2, 1e4, 1e6, 0.0])[:, None]
+    x[3, 7] = 6e5  # one outlier in a row
+    w = torch.randn(n, k, generator=g) * 2.0
+    packed, w_max = ops.fp16_gemm_pack(w)
+    if not ops.fp16_gemm_available():
+        with pytest.raises(RuntimeError, match="AVX512-FP16"):
+            ops.fp16_gemm(x, packed, n, w_max)
+        return
+    out = ops.fp16_gemm(x, packed, n, w_max)
+    assert torch.isfinite(out).all()
+    ref = x.double() @ w.half().double().t()
+    for r in range(6):
+        scale = ref[r].abs().max().item()
+        err = (out[r].double() - ref[r]).abs().max().item()
+        assert err <= 4e-3 * scale + 1e-30, (r, err, scale)
+    assert (out[5] == 0).all()
+
+
+def test_arguments_are_checked(ops):
+    w = torch.randn(32, 64)
+    packed, w_max = ops.fp16_gemm_pack(w)
+    with pytest.raises(RuntimeError, match="float16 cannot hold"):
+        ops.fp16_gemm_pack(torch.full((16, 8), 1e5))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.fp16_gemm_pack(w.half())
+    if not ops.fp16_gemm_available():
+        return
+    with pytest.raises(RuntimeError, match=r"packed must be fp16_gemm_pack's"):
+        ops.fp16_gemm(torch.randn(4, 62), packed, 32, w_max)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        ops.fp16_gemm(torch.randn(4, 64).bfloat16(), packed, 32, w_max)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.fp16_gemm(torch.randn(4, 64), packed, 32, w_max, torch.randn(31))
+    assert ops.fp16_gemm(torch.randn(0, 64), packed, 32, w_max).shape == (0, 32)

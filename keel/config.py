@@ -59,6 +59,8 @@ class ModelConfig:
     quantization_method: str | None = field(init=False, default=None)
     # The KV cache's dtype under kv_cache_dtype="auto" (set with torch_dtype).
     auto_kv_cache_dtype: torch.dtype = field(init=False)
+    # Whether a float32 model's GEMMs may run on float16 FMAs (dtypes.auto_float16_gemms).
+    float16_gemms: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         from keel.model_executor.hf_config import load_hf_config
@@ -82,6 +84,7 @@ class ModelConfig:
         where = (self.torch_device, self.runner_type, self.quantization_method)
         self.torch_dtype = dtypes.auto_compute_dtype(self.dtype, self.torch_dtype, *where)
         self.auto_kv_cache_dtype = dtypes.auto_kv_cache_dtype(self.dtype, self.torch_dtype, *where)
+        self.float16_gemms = dtypes.auto_float16_gemms(self.dtype, self.torch_dtype, *where)
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         limit = min(limit, self._sentence_transformers_max_len() or limit)
         if self.max_logprobs < 0:

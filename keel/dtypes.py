@@ -103,6 +103,17 @@ def auto_kv_cache_dtype(dtype: str, compute: torch.dtype, device: torch.device, 
     return compute
 
 
+def auto_float16_gemms(dtype: str, compute: torch.dtype, device: torch.device, runner: str,
+                       quantization: str | None) -> bool:
+    """dtype="auto" on a CPU that computes a float32 model in float32 (no AMX tiles) lets its
+    GEMMs run on float16 FMAs where the CPU has AVX512-FP16 and they measure faster
+    (layers/gemm_choice.py fp16_gemm_chosen): x and W rounded to float16 (11 significant bits,
+    bfloat16's 8) and float32 results, as "auto" computes such a model in bfloat16 where the
+    CPU has AMX. `compute` is the dtype after auto_compute_dtype; the same models as
+    auto_kv_cache_dtype. dtype="float32" keeps float32 GEMMs."""
+    return _cpu_float32_auto(dtype, compute, device, runner, quantization)
+
+
 def check_kv_cache_dtype(name: str) -> None:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"Unknown kv_cache_dtype {name!r}: use auto, float32, bfloat16 or int8.")

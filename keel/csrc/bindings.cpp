@@ -18,8 +18,18 @@ PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
                        std::optional<at::Tensor> bias, pybind11::object w8a8,
                        int64_t gemm_rows, bool float32_compute, std::optional<at::Tensor> amx,
                        int64_t amx_rows, int64_t amx_n, bool amx_silu,
-                       std::optional<at::Tensor> amx_bias) {
+                       std::optional<at::Tensor> amx_bias, std::optional<at::Tensor> fp16,
+                       int64_t fp16_n, double fp16_w_max, bool fp16_silu, std::optional<at::Tensor> fp16_bias,
+                       std::optional<at::Tensor> fp16_unorder) {
   PlanLinear lin;
+  lin.fp16 = fp16.value_or(at::Tensor());
+  lin.fp16_n = fp16_n;
+  lin.fp16_w_max = fp16_w_max;
+  lin.fp16_silu = lin.fp16.defined() && fp16_silu;
+  lin.fp16_bias = fp16_bias.value_or(at::Tensor());
+  lin.fp16_unorder = fp16_unorder.value_or(at::Tensor());
+  TORCH_CHECK(!lin.fp16_silu || lin.fp16_unorder.defined(),
+              "PlanLinear: an interleaved fp16 weight needs fp16_unorder");
   lin.amx = amx.value_or(at::Tensor());
   lin.amx_rows = lin.amx.defined() ? amx_rows : 0;
   lin.amx_n = amx_n;
@@ -43,7 +53,7 @@ PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
   lin.float32_compute = float32_compute;
   TORCH_CHECK(gemm_rows == 0 || (lin.packed.defined() && lin.packed.dim() == 3),
               "PlanLinear: gemm_rows > 0 needs `packed` from gemm_pack");
-  TORCH_CHECK(!lin.w8a8.isNone() || lin.packed.defined() ||
+  TORCH_CHECK(!lin.w8a8.isNone() || lin.packed.defined() || lin.fp16.defined() ||
                   (lin.weight.defined() && lin.weight.numel() > 0) ||
                   max_rows >= (int64_t{1} << 62),
               "PlanLinear: a layer without a dense weight must take every pass quantized");
@@ -182,9 +192,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("built_for", &built_for, "the instruction sets this build was compiled for");
   m.def("fp16_gemm_pack", &fp16_gemm_pack,
         "W [N, K] (float32 / bfloat16) in fp16_gemm's float16 panels, and its largest |W|");
-  m.def("fp16_gemm", &fp16_gemm, "x @ W^T (+ bias) on float16 FMAs, float32 in and out",
+  m.def("fp16_gemm", &fp16_gemm,
+        "x @ W^T (+ bias) on float16 FMAs, float32 in and out (silu_mul: W's rows a [gate; up] "
+        "layer's interleaved by 16, the result silu(gate) * up [M, N / 2])",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("w_max"),
-        pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("silu_mul") = false);
   m.def("fp16_gemm_available", &fp16_gemm_available, "built with AVX512-FP16");
   pybind11::class_<PlanLinear>(m, "PlanLinear", "one linear layer of a DecodePlan")
       .def(pybind11::init(&make_linear), pybind11::arg("q"), pybind11::arg("d"),
@@ -194,16 +206,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("float32_compute") = false, pybind11::arg("amx") = pybind11::none(),
            pybind11::arg("amx_rows") = 0, pybind11::arg("amx_n") = 0,
            pybind11::arg("amx_silu") = false, pybind11::arg("amx_bias") = pybind11::none(),
+           pybind11::arg("fp16") = pybind11::none(), pybind11::arg("fp16_n") = 0,
+           pybind11::arg("fp16_w_max") = 0.0,
+           pybind11::arg("fp16_silu") = false, pybind11::arg("fp16_bias") = pybind11::none(),
+           pybind11::arg("fp16_unorder") = pybind11::none(),
            "(q, d, m, max_rows, act_parts, packed, weight, bias, w8a8=None, gemm_rows=0, "
            "float32_compute=False, amx=None, amx_rows=0, amx_n=0, amx_silu=False, "
-           "amx_bias=None): the quantized form (used "
+           "amx_bias=None, fp16=None, fp16_n=0, fp16_w_max=0, fp16_silu=False, fp16_bias=None, "
+           "fp16_unorder=None): the quantized form (used "
            "up to max_rows rows; 0: none), "
            "the packed weight (oneDNN's, or keel's gemm_pack panels of a weight with gemm_rows "
            "output rows; a bfloat16 pass over it computed in float32 where float32_compute or "
            "gemm_rows) and the dense weight, or fbgemm's packed w8a8 weight; bfloat16 passes "
            "of up to amx_rows rows on amx_gemm over `amx` (amx_gemm_pack of an [amx_n, K] "
            "weight; amx_silu: a [gate; up] weight interleaved by 16 rows, with amx_bias, "
-           "which only silu_mul takes)");
+           "which only silu_mul takes); passes above max_rows on fp16_gemm over `fp16` "
+           "(fp16_gemm_pack's of an [fp16_n, K] weight, largest |W| fp16_w_max; fp16_silu: rows interleaved by 16 as "
+           "amx_silu's, with fp16_bias, and a plain pass's columns put back by fp16_unorder)");
   pybind11::class_<PassAttention>(m, "PassAttention",
                                   "the attention of a pass with prompt tokens (decode_layers.h)")
       .def(pybind11::init(&make_pass_attention), pybind11::arg("token_rows"),

@@ -173,6 +173,14 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
     out = converted(out, x.scalar_type());
     return bias.defined() ? out.add_(bias) : out;
   }
+  if (fp16.defined()) {  // fp16_gemm, in float32 (layers/packed_weights.py cpu_gemm)
+    const at::Tensor xf = x.to(at::kFloat);
+    const at::Tensor& b = fp16_silu ? fp16_bias : bias;
+    at::Tensor out = fp16_gemm(xf, fp16, fp16_n, fp16_w_max,
+                               b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+    if (fp16_silu) out = out.index_select(1, fp16_unorder);  // back in [gate; up] order
+    return out.to(x.scalar_type());
+  }
   if (amx_rows > 0 && !amx_silu && rows <= amx_rows && x.scalar_type() == at::kBFloat16)
     return amx_gemm(x, amx, amx_n, bias.defined() ? std::optional<at::Tensor>(bias)
                                                   : std::nullopt);
@@ -204,6 +212,11 @@ at::Tensor PlanLinear::silu_mul(const at::Tensor& x) const {
     return amx_gemm_f32(x, amx, amx_n,
                         amx_bias.defined() ? std::optional<at::Tensor>(amx_bias) : std::nullopt,
                         true);
+  // fp16_gemm with silu in its epilogue, as the Python layer's gemm_silu takes it.
+  if (fp16_silu && x.scalar_type() == at::kFloat && !(max_rows > 0 && x.size(0) <= max_rows))
+    return fp16_gemm(x, fp16, fp16_n, fp16_w_max,
+                     fp16_bias.defined() ? std::optional<at::Tensor>(fp16_bias) : std::nullopt,
+                     true);
   // keel's panels in float32, as the Python layer's gemm_silu (layers/linear.py) chooses it.
   if (w8a8.isNone() && !(max_rows > 0 && x.size(0) <= max_rows) && gemm_rows > 0 &&
       gemm_rows % 32 == 0 && x.scalar_type() == at::kFloat)

@@ -5,26 +5,32 @@
 //
 //   fp16_gemm_pack(W [N, K] float32 or bfloat16) -> (packed float16 [ceil(N/16), ceil(K/2), 32],
 //                                                    the largest |W|)
-//   fp16_gemm(x [M, K] float32, packed, N, w_max, bias) -> [M, N] float32
+//   fp16_gemm(x [M, K] float32, packed, N, w_max, bias, silu_mul) -> [M, N] float32
+//
+// silu_mul: W's rows are a [gate; up] layer's interleaved by 16 (gate rows 16j.., then up rows
+// 16j..; gemm_choice.silu_pair_order), bias alike, and the result is silu(gate) * up [M, N / 2]
+// (keel::silu16, as silu_and_mul computes it): the [M, N] product is never written out.
 //
 // Why: one 32-lane float16 FMA does twice a float32 FMA's products at the same rate; in
 // benchmarks/fp16_tile_rate.c such a tile ran ~1.75x keel's float32 tile. Over a bfloat16
 // checkpoint's weights its mean error is 0.7x bfloat16 arithmetic's, its largest about the same
-// (BENCHMARKS.md, forty-fifth round). The engine does not use this kernel yet: its place in the
-// load-time choice, the fused decode pass and its accuracy against transformers are what is
-// left.
+// (BENCHMARKS.md, forty-fifth round). dtype="auto" takes it for a float32 model on a CPU with
+// AVX512-FP16 and no AMX tiles (layers/gemm_choice.py fp16_gemm_chosen).
 //
 // The layout: a panel row holds 16 output columns for two values of k (lane 2j: w[k][j], lane
 // 2j + 1: w[k + 1][j]); x is rounded to float16 once a call and read as (x[k], x[k + 1]) pairs
 // by one 32-bit broadcast (a plain load; a 16-bit broadcast from memory takes a shuffle on the
 // port an FMA needs), so one FMA does two steps of k for 16 columns. The even and odd lanes'
-// float32 sums are added at the end.
+// float32 sums are added at the end. Rows go in blocks of kBlockRows (their float16 copy stays
+// in L2 while every panel passes over it: a long prompt chunk's x would otherwise stream from
+// L3 once per pair of panels); the threads claim runs of panel pairs within a block.
 //
 // No float16 sum can overflow: each row of x is multiplied by a power of two (exact, undone
 // in float32 at the end) chosen so that 2 * kPairs products of the row's largest |x| and the
 // weight's largest |w| stay below 2^14, and no scaled value exceeds 2^14 itself.
 #include "ops.h"
 #include "claims.h"
+#include "silu.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -38,11 +44,13 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 namespace {
 constexpr int64_t kCols = 16;   // output columns per panel; a panel row is 32 float16 lanes
 constexpr int64_t kPairs = 64;  // pairs of k summed in float16 before the float32 sum
 constexpr float kSumBound = 16384.0f;  // 2^14: float16's largest finite value is 65504
+constexpr int64_t kBlockRows = 256;    // rows whose float16 copy the panels pass over in turn
 }  // namespace
 
 std::tuple<at::Tensor, double> fp16_gemm_pack(at::Tensor weight) {
@@ -84,8 +92,10 @@ inline __m512 widen(__m512h v, int upper) {
 }
 
 // R rows of x16 (pairs per row `ldx`) against P adjacent panels (w0, w1 = w0 + pairs * 32):
-// out[r][j] = sum * inv[r] + bias[j] for the first `cols` of the P * 16 columns (row stride ldo).
-template <int R, int P>
+// out[r][j] = sum * inv[r] + bias[j] for the first `cols` of the P * 16 columns (row stride
+// ldo); with Silu (P = 2: 16 gate columns, then their 16 up columns) out[r][j] = silu(gate) * up
+// for the 16 columns.
+template <int R, int P, bool Silu = false>
 __attribute__((noinline)) void tile(const uint16_t* x16, int64_t ldx, const uint16_t* w0,
                                     const uint16_t* w1, int64_t pairs, const float* inv,
                                     const float* bias, int64_t cols, float* out, int64_t ldo) {
@@ -125,39 +135,52 @@ __attribute__((noinline)) void tile(const uint16_t* x16, int64_t ldx, const uint
   // odd k: the evens and the odds of the pair gathered, then added.
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  auto combined = [&](int r, int pp) {  // column j of panel pp in lane j
+    return _mm512_add_ps(_mm512_permutex2var_ps(f[r][2 * pp], even, f[r][2 * pp + 1]),
+                         _mm512_permutex2var_ps(f[r][2 * pp], odd, f[r][2 * pp + 1]));
+  };
+  if constexpr (Silu) {
+    static_assert(P == 2, "silu_mul pairs a gate panel with its up panel");
+    const __m512 bg = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 bu = bias != nullptr ? _mm512_loadu_ps(bias + kCols) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(inv[r]);
+      const __m512 gate = _mm512_fmadd_ps(combined(r, 0), s, bg);
+      const __m512 up = _mm512_fmadd_ps(combined(r, 1), s, bu);
+      _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(keel::silu16(gate), up));
+    }
+    return;
+  }
   for (int pp = 0; pp < P; ++pp) {
     const int64_t c = std::min<int64_t>(kCols, cols - pp * kCols);
     if (c <= 0) break;
     const __mmask16 mask = static_cast<__mmask16>((1u << c) - 1);
     const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + pp * kCols)
                                      : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(f[r][2 * pp], even, f[r][2 * pp + 1]),
-                                       _mm512_permutex2var_ps(f[r][2 * pp], odd, f[r][2 * pp + 1]));
+    for (int r = 0; r < R; ++r)
       _mm512_mask_storeu_ps(out + r * ldo + pp * kCols, mask,
-                            _mm512_fmadd_ps(sum, _mm512_set1_ps(inv[r]), b));
-    }
+                            _mm512_fmadd_ps(combined(r, pp), _mm512_set1_ps(inv[r]), b));
   }
 }
 
-template <int P>
+template <int P, bool Silu = false>
 void tile_rows(int rows, const uint16_t* x16, int64_t ldx, const uint16_t* w0,
                const uint16_t* w1, int64_t pairs, const float* inv, const float* bias,
                int64_t cols, float* out, int64_t ldo) {
   switch (rows) {
 #define KEEL_FP16_TILE(R) \
-  case R: tile<R, P>(x16, ldx, w0, w1, pairs, inv, bias, cols, out, ldo); break;
+  case R: tile<R, P, Silu>(x16, ldx, w0, w1, pairs, inv, bias, cols, out, ldo); break;
     KEEL_FP16_TILE(10) KEEL_FP16_TILE(9) KEEL_FP16_TILE(8) KEEL_FP16_TILE(7)
     KEEL_FP16_TILE(6) KEEL_FP16_TILE(5) KEEL_FP16_TILE(4) KEEL_FP16_TILE(3) KEEL_FP16_TILE(2)
 #undef KEEL_FP16_TILE
-    default: tile<1, P>(x16, ldx, w0, w1, pairs, inv, bias, cols, out, ldo); break;
+    default: tile<1, P, Silu>(x16, ldx, w0, w1, pairs, inv, bias, cols, out, ldo); break;
   }
 }
 
 }  // namespace
 
 at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
-                     std::optional<at::Tensor> bias) {
+                     std::optional<at::Tensor> bias, bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "fp16_gemm: x must be a float32 [M, K] CPU tensor");
   const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
@@ -167,6 +190,8 @@ at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
                   packed.size(2) == 2 * kCols,
               "fp16_gemm: packed must be fp16_gemm_pack's [ceil(N/16), ceil(K/2), 32] for N = ",
               n, " and K = x.size(1) = ", k);
+  TORCH_CHECK(!silu_mul || n % (2 * kCols) == 0,
+              "fp16_gemm: silu_mul needs whole pairs of [16 gate | 16 up] columns");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
@@ -174,14 +199,18 @@ at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
     b = bias->data_ptr<float>();
   }
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({m, n}, xc.options());
+  const int64_t ldo = silu_mul ? n / 2 : n;
+  at::Tensor out = at::empty({m, ldo}, xc.options());
   if (m == 0 || n == 0) return out;
-  // x in float16, each row times its power of two (see the top of the file).
-  at::Tensor x16 = at::zeros({m, 2 * pairs}, xc.options().dtype(at::kHalf));
-  at::Tensor inv_scale = at::empty({m}, xc.options());
+  // x in float16, each row times its power of two (see the top of the file), in buffers kept
+  // by the calling thread from one call to the next (a decode step makes ~4 calls a layer).
+  thread_local std::vector<uint16_t> x16_buffer;
+  thread_local std::vector<float> inv_buffer;
+  if (static_cast<int64_t>(x16_buffer.size()) < m * 2 * pairs) x16_buffer.resize(m * 2 * pairs);
+  if (static_cast<int64_t>(inv_buffer.size()) < m) inv_buffer.resize(m);
   const float* xs = xc.data_ptr<float>();
-  uint16_t* xh = reinterpret_cast<uint16_t*>(x16.data_ptr<c10::Half>());
-  float* inv = inv_scale.data_ptr<float>();
+  uint16_t* xh = x16_buffer.data();
+  float* inv = inv_buffer.data();
   const float wm = static_cast<float>(w_max);
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -209,32 +238,40 @@ at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
         const c10::Half h(row[j] * scale);
         std::memcpy(dst + j, &h, 2);
       }
+      if (k % 2) dst[k] = 0;  // an odd K's last pair: its second value is nothing
     }
   });
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::Half>());
   const int64_t groups = (panels + 1) / 2, panel_elems = pairs * 2 * kCols;
+  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
   float* o = out.data_ptr<float>();
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), groups);
-  keel::Claims claims(groups, threads, groups);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks * groups);
+  // Items: (block of rows, pair of panels), block by block; a run stays within one block.
+  keel::Claims claims(blocks * groups, threads, groups);
   keel::on_threads(threads, [&] {
     int64_t end = 0;
-    for (int64_t g = claims.claim(end); g < groups; g = claims.claim(end)) {
-      for (; g < end; ++g) {
-        const int64_t p = 2 * g;
+    for (int64_t item = claims.claim(end); item < blocks * groups; item = claims.claim(end)) {
+      for (; item < end; ++item) {
+        const int64_t blk = item / groups, g = item % groups, p = 2 * g;
+        const int64_t m0 = blk * kBlockRows, mb = std::min(kBlockRows, m - m0);
         const int np = static_cast<int>(std::min<int64_t>(2, panels - p));
         const int64_t c0 = p * kCols, cols = std::min<int64_t>(np * kCols, n - c0);
         const uint16_t* w0 = w + p * panel_elems;
         const float* bc = b != nullptr ? b + c0 : nullptr;
+        float* oc = o + (silu_mul ? g * kCols : c0);
         // As few tiles as kRows allows, as even as can be (64 rows: 10 + 6 x 9, not 6 x 10 + 4).
-        const int64_t tiles = (m + kRows - 1) / kRows, base = m / tiles, extra = m % tiles;
-        for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+        const int64_t tiles = (mb + kRows - 1) / kRows, base = mb / tiles, extra = mb % tiles;
+        for (int64_t t = 0, r0 = m0; t < tiles; ++t) {
           const int rows = static_cast<int>(base + (t < extra));
-          if (np == 2)
-            tile_rows<2>(rows, xh + r0 * 2 * pairs, pairs, w0, w0 + panel_elems, pairs,
-                         inv + r0, bc, cols, o + r0 * n + c0, n);
+          const uint16_t* xr = xh + r0 * 2 * pairs;
+          if (silu_mul)
+            tile_rows<2, true>(rows, xr, pairs, w0, w0 + panel_elems, pairs, inv + r0, bc, cols,
+                               oc + r0 * ldo, ldo);
+          else if (np == 2)
+            tile_rows<2>(rows, xr, pairs, w0, w0 + panel_elems, pairs, inv + r0, bc, cols,
+                         oc + r0 * ldo, ldo);
           else
-            tile_rows<1>(rows, xh + r0 * 2 * pairs, pairs, w0, w0, pairs, inv + r0, bc, cols,
-                         o + r0 * n + c0, n);
+            tile_rows<1>(rows, xr, pairs, w0, w0, pairs, inv + r0, bc, cols, oc + r0 * ldo, ldo);
           r0 += rows;
         }
       }
@@ -246,7 +283,7 @@ at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
 #else  // no AVX512-FP16
 
 bool fp16_gemm_available() { return false; }
-at::Tensor fp16_gemm(at::Tensor, at::Tensor, int64_t, double, std::optional<at::Tensor>) {
+at::Tensor fp16_gemm(at::Tensor, at::Tensor, int64_t, double, std::optional<at::Tensor>, bool) {
   TORCH_CHECK(false, "fp16_gemm needs AVX512-FP16 (fp16_gemm_available() is false here)");
 }
 

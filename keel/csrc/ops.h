@@ -76,9 +76,10 @@ at::Tensor amx_gemm_f32(at::Tensor x, at::Tensor packed, int64_t n, std::optiona
                         bool silu_mul);
 bool amx_gemm_available();
 // float32 x [M, K] @ W^T (+ bias) on AVX512-FP16's float16 FMAs (fp16_gemm.cpp), W packed once
-// by fp16_gemm_pack (which also gives the largest |W|, fp16_gemm's w_max). Not used by the
-// engine yet.
+// by fp16_gemm_pack (which also gives the largest |W|, fp16_gemm's w_max); silu_mul: W's rows
+// interleaved by 16 as amx_gemm's, the result silu(gate) * up [M, N / 2]. dtype="auto" takes it
+// for a float32 model on a CPU with AVX512-FP16 and no AMX (layers/gemm_choice.py).
 std::tuple<at::Tensor, double> fp16_gemm_pack(at::Tensor weight);
 at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
-                     std::optional<at::Tensor> bias);
+                     std::optional<at::Tensor> bias, bool silu_mul = false);
 bool fp16_gemm_available();

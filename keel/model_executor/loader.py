@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from keel.config import ModelConfig
+from keel.model_executor.layers import gemm_choice
 from keel.model_executor.models import resolve_architecture
 from keel.model_executor.weight_errors import WeightLoadError
 
@@ -99,10 +100,13 @@ def load_model(model_config: ModelConfig) -> nn.Module:
 
         attach_gguf_amx_sources(model, folder)  # a no-op unless keel converted the folder
     model = model.to(model_config.torch_device).eval()
-    for module in model.modules():  # e.g. pack weights for the CPU GEMM (layers/packed_weights.py)
-        process = getattr(module, "process_weights_after_loading", None)
-        if process is not None:
-            process()
+    # e.g. pack weights for the CPU GEMM (layers/packed_weights.py; float16 FMAs where
+    # dtype="auto" allows them: layers/gemm_choice.py)
+    with gemm_choice.float16_gemms(model_config.float16_gemms):
+        for module in model.modules():
+            process = getattr(module, "process_weights_after_loading", None)
+            if process is not None:
+                process()
     if model_config.quantization_method is not None:
         from keel.model_executor.quantize_model import choose_rows_per_pass
 

@@ -199,3 +199,59 @@ def test_an_int8_kv_cache_in_the_engine(hf_model_dir, monkeypatch):
         assert same >= 3, (ta, tb)
         diffs += [abs(a - b) for a, b in zip(la[:same], lb[:same])]
     assert 0 < max(diffs) < 0.15, diffs
+
+
+def test_auto_lets_float16_gemms_run_only_for_a_float32_model_without_amx(hf_model_dir,
+                                                                          monkeypatch):
+    """ModelConfig.float16_gemms (the loader packs inside gemm_choice.float16_gemms): the same
+    models as the bfloat16 K/V rule, and only where "auto" keeps float32 arithmetic."""
+    folder = hf_model_dir("llama")  # saved in float32
+
+    def allowed(amx: bool, **kw) -> bool:
+        monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: amx)
+        return ModelConfig(folder, device="cpu", **kw).float16_gemms
+
+    assert allowed(False)
+    assert not allowed(True)  # bfloat16 arithmetic there
+    assert not allowed(False, dtype="float32")
+    assert not allowed(False, dtype="bfloat16")
+    assert not allowed(False, quantization="int8")
+    assert not allowed(False, runner="pooling")
+
+
+def test_float16_gemms_stay_close_to_transformers(hf_model_dir, monkeypatch):
+    """dtype="auto" on a CPU with AVX512-FP16 and no AMX (its fp16_gemm chosen here without
+    timing it): every linear layer and the LM head on float16 FMAs, over the bfloat16 K/V
+    "auto" keeps. Its prompt log-probabilities against transformers' float32 are within
+    0.12, and closer than keel's dtype="bfloat16" (bfloat16 arithmetic and K/V); greedy tokens
+    agree with float32's until this tiny random model's first near tie. Where the build has no
+    AVX512-FP16, "auto" computes in float32 and the same bounds hold."""
+    from keel import LLM, SamplingParams
+    from keel.cpu_ops import get_cpu_ops
+    from keel.model_executor.layers import gemm_choice
+    from tests.hf_models import hf_reference
+
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
+    monkeypatch.setattr(gemm_choice, "_fp16_gemm_faster", True)
+    folder = hf_model_dir("llama")
+    hf = hf_reference(folder)
+    prompts = [[5, 17, 33, 9, 41, 2, 77] * 3, [(13 * j + 7) % 250 + 1 for j in range(90)]]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    errors, packed_by = {}, {}
+    for dtype in ("auto", "bfloat16"):
+        llm = LLM(folder, dtype=dtype, kv_cache_memory_gib=0.0625, max_model_len=256)
+        model = llm.engine_core.model_executor.driver_worker.model_runner.model
+        packed_by[dtype] = {m.packed_by for m in model.modules() if getattr(m, "packed_by", "")}
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        err = 0.0
+        for p, o in zip(prompts, outs):
+            with torch.no_grad():
+                ref = hf(torch.tensor([p])).logits[0].float().log_softmax(-1)
+            for i, (lps, t) in enumerate(zip(o.prompt_logprobs[1:], p[1:])):
+                err = max(err, abs(lps[t].logprob - ref[i, t].item()))
+        errors[dtype] = err
+        del llm
+    fp16 = get_cpu_ops().fp16_gemm_available()
+    assert packed_by["auto"] == ({"fp16"} if fp16 else packed_by["auto"] - {"fp16"})
+    assert errors["auto"] < 0.12, errors
+    assert errors["auto"] < 0.5 * errors["bfloat16"], errors

@@ -1,7 +1,9 @@
-"""keel's float16-FMA GEMM (keel/csrc/fp16_gemm.cpp, for CPUs with AVX512-FP16 and no AMX; not
-used by the engine yet): against a float64 reference, closer than bfloat16 arithmetic is, on
-decode and prompt shapes with partial tiles, odd K and N; no float16 sum overflows, however
-large x is; the packing and the arguments are checked. Where the build has no AVX512-FP16 the
+"""keel's float16-FMA GEMM (keel/csrc/fp16_gemm.cpp, for CPUs with AVX512-FP16 and no AMX,
+where dtype="auto" runs a float32 model's GEMMs on it): against a float64 reference, closer
+than bfloat16 arithmetic is, on decode and prompt shapes with partial tiles, odd K and N; no
+float16 sum overflows, however large x is; silu in the epilogue gives silu_and_mul's bits;
+passes of many rows go in blocks and give each row's own result; the packing and the arguments
+are checked. Where the build has no AVX512-FP16 the
 op says so and raises (the test checks that instead)."""
 
 from __future__ import annotations
@@ -96,3 +98,53 @@ def test_arguments_are_checked(ops):
     with pytest.raises(RuntimeError, match="bias must be"):
         ops.fp16_gemm(torch.randn(4, 64), packed, 32, w_max, torch.randn(31))
     assert ops.fp16_gemm(torch.randn(0, 64), packed, 32, w_max).shape == (0, 32)
+
+
+@pytest.mark.parametrize("m", [1, 9, 64, 300, 700])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_silu_mul_in_the_epilogue(ops, m, with_bias):
+    """silu_mul over a [gate; up] weight interleaved by 16 (gemm_choice.silu_pair_order, bias
+    alike): silu(gate) * up of the plain GEMM's columns put back in order, bit for bit (the
+    same sums, then silu_and_mul's silu16); passes past one block of 256 rows too."""
+    from keel.model_executor.layers.gemm_choice import silu_pair_order
+
+    if not ops.fp16_gemm_available():
+        return
+    g = torch.Generator().manual_seed(m)
+    inter, k = 96, 200
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(2 * inter, k, generator=g) * 0.05
+    b = torch.randn(2 * inter, generator=g) if with_bias else None
+    order = silu_pair_order(2 * inter)
+    packed, w_max = ops.fp16_gemm_pack(w[order])
+    bo = None if b is None else b[order].contiguous()
+    fused = ops.fp16_gemm(x, packed, 2 * inter, w_max, bo, True)
+    plain = ops.fp16_gemm(x, packed, 2 * inter, w_max, bo).index_select(1, torch.argsort(order))
+    assert fused.shape == (m, inter)
+    assert torch.equal(fused, ops.silu_and_mul(plain))
+    ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+    ref = torch.nn.functional.silu(ref[:, :inter]) * ref[:, inter:]
+    assert (fused.double() - ref).abs().max().item() <= 4e-3 * ref.abs().max().item()
+    with pytest.raises(RuntimeError, match="whole pairs"):
+        ops.fp16_gemm(x, ops.fp16_gemm_pack(w[:48])[0], 48, w_max, None, True)
+
+
+def test_rows_past_a_block_and_a_reused_buffer(ops):
+    """Passes of many rows (blocks of 256) give each row what a pass of that row alone gives;
+    the float16 copy of x is kept from one call to the next, and a smaller call with an odd K
+    after a larger one reads nothing of the last call's rows."""
+    if not ops.fp16_gemm_available():
+        return
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(80, 577, generator=g) * 0.05
+    packed, w_max = ops.fp16_gemm_pack(w)
+    x = torch.randn(1000, 577, generator=g)
+    big = ops.fp16_gemm(x, packed, 80, w_max)
+    for r in (0, 255, 256, 511, 999):
+        assert torch.equal(big[r], ops.fp16_gemm(x[r : r + 1].clone(), packed, 80, w_max)[0])
+    assert torch.equal(big[300:310], ops.fp16_gemm(x[300:310].clone(), packed, 80, w_max))
+    # K = 577 fills the last pair's second lane with 0, not with the previous call's value.
+    ops.fp16_gemm(torch.full((1000, 578), 7.0), ops.fp16_gemm_pack(torch.ones(80, 578))[0], 80,
+                  1.0)
+    ref = x[:4].double() @ w.half().double().t()
+    assert (ops.fp16_gemm(x[:4].clone(), packed, 80, w_max).double() - ref).abs().max() < 5e-3

@@ -254,3 +254,59 @@ def test_pass_attention_refuses_bad_arguments():
                           short_tokens=torch.arange(2))
     with pytest.raises(RuntimeError, match="with long_chunks"):
         ops.PassAttention(rows, lens, None, torch.arange(2), rows[:2], lens[:2])
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {"intermediate_size": 128}),
+                                            ("qwen3", {}), ("mistral", {})])
+def test_float16_gemms_are_fused_and_bit_identical(arch, overrides, tmp_path, monkeypatch):
+    """dtype="auto" for a float32 model on a CPU without AMX runs its GEMMs on fp16_gemm where
+    the build has AVX512-FP16 (chosen here without timing it): the plan takes those layers
+    (a [gate; up] layer whose widths are multiples of 16 with silu in the epilogue, Qwen2's
+    biases, the LM head outside it) and stays bit-identical to the Python layers, for decode
+    passes and passes with long chunks. An interleaved [gate; up] layer's plain pass gives its
+    columns in order. Without AVX512-FP16 nothing is packed for it."""
+    from keel import dtypes
+    from keel.attention.backends import torch_paged
+    from keel.config import ModelConfig
+    from keel.cpu_ops import get_cpu_ops
+    from keel.model_executor.layers import gemm_choice, packed_weights
+    from keel.model_executor.loader import load_model
+    from tests.hf_models import make_hf_model
+
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
+    monkeypatch.setattr(gemm_choice, "_fp16_gemm_faster", True)
+    monkeypatch.setattr(torch_paged, "long_chunk_kernel", forced_long_kernel)
+    packed = []
+    real_pack = packed_weights._fp16_pack
+
+    def counting_pack(module, w):
+        ok = real_pack(module, w)
+        packed.append((ok, module.fp16_silu))
+        return ok
+
+    monkeypatch.setattr(packed_weights, "_fp16_pack", counting_pack)
+    folder = str(make_hf_model(arch, tmp_path, **overrides))
+    kw = dict(dtype="auto", max_num_batched_tokens=96)
+    tok_on, lp_on, on = generate(folder, None, True, monkeypatch, MIXED, **kw)
+    tok_off, lp_off, off = generate(folder, None, False, monkeypatch, MIXED, **kw)
+    ops = get_cpu_ops()
+    available = ops.fp16_gemm_available()
+    config = ModelConfig(folder, dtype="auto")
+    n_layers, inter = config.hf_config.num_hidden_layers, config.hf_config.intermediate_size
+    assert config.float16_gemms
+    assert len(packed) == (2 * (4 * n_layers + 1) if available else 0), packed  # + LM head
+    assert all(ok for ok, _ in packed)
+    assert sum(silu for _, silu in packed) == (2 * n_layers if available and inter % 16 == 0
+                                               else 0)
+    assert on["python"] == 0 and on["long"] >= 2 and on["fused"] >= 39, on
+    assert off["fused"] == 0
+    assert tok_on == tok_off
+    assert lp_on == lp_off
+    gate_up = load_model(config).model.layers[0].mlp.gate_up_proj
+    assert (gate_up.packed_by == "fp16") == available
+    x = torch.randn(5, config.hf_config.hidden_size)
+    plain = gate_up(x)
+    assert plain.shape == (5, 2 * inter)
+    fused = gate_up.gemm_silu(x)
+    if fused is not None:
+        assert torch.equal(fused, ops.silu_and_mul(plain))

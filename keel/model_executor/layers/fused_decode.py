@@ -7,8 +7,8 @@ was within this machine's noise.
 
 The plan calls the same kernels as the Python layers, in the same order, with the same
 arguments (each linear layer the way `LinearBase._matmul` picks for the pass's row count:
-keel's quantized kernels up to the layer's `max_rows`, else the packed weight on keel's GEMM
-or oneDNN's, else `F.linear`), so its output is bit-identical to theirs
+keel's quantized kernels up to the layer's `max_rows`, else the packed weight on keel's GEMM,
+fp16_gemm or oneDNN's, else `F.linear`), so its output is bit-identical to theirs
 (tests/model_executor/test_fused_decode.py checks that); the Python layers stay the path for
 every other pass and the reference.
 
@@ -69,6 +69,11 @@ def _plan_linear(ops: Any, linear: Any, dtype: torch.dtype) -> Any:
             return None
         max_rows = w.max_rows if linear.has_dense() else ALL_ROWS
     weight = linear.weight if linear.weight.numel() else None
+    if linear.packed_by == "fp16":  # fp16_gemm, as packed_weights.cpu_gemm takes it
+        return ops.PlanLinear(q, d, m, max_rows, quantization.ACTIVATION_PARTS, None, weight,
+                              linear.bias, fp16=linear.packed_weight, fp16_n=linear.packed_rows,
+                              fp16_w_max=linear.fp16_w_max, fp16_silu=linear.fp16_silu,
+                              fp16_bias=linear.fp16_bias, fp16_unorder=linear.fp16_unorder)
     # A bfloat16 model's AMX copy takes the passes amx_max_rows allows; a float32 layer's
     # (amx_f32: bfloat16 values) every float32 pass, on amx_gemm_f32.
     f32 = linear.amx_f32 and dtype == torch.float32

@@ -29,13 +29,24 @@ with AVX512-BF16.
 
 Where the CPU has AMX tiles, keel's AMX GEMM takes bfloat16 layers' passes over a tile copy
 of their weights: those choices are amx_choice.py's.
+
+Where it has AVX512-FP16 and no AMX tiles, dtype="auto" lets a float32 model's GEMMs run on
+float16 FMAs (csrc/fp16_gemm.cpp: x and W rounded to float16, float16 sums of at most 128
+products widened into float32 ones), as it lets a CPU with AMX compute such a model in bfloat16
+(keel/dtypes.py auto_float16_gemms; the loader packs the model inside `float16_gemms(True)`).
+`fp16_gemm_chosen` then times it once against the float32 GEMM at a decode shape and keeps the
+faster. A float16 FMA does twice a float32 FMA's products at the same rate: at the default
+model's shapes with the weights from memory it ran 1.27-1.57x keel's float32 GEMM
+(BENCHMARKS.md, forty-fifth round), and its mean error is below bfloat16 arithmetic's.
+dtype="float32" keeps float32 GEMMs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -93,6 +104,44 @@ _keel_gemm_faster: bool | None = None  # chosen once per process
 OWN_KERNEL_MARGIN = 1.15
 _CHOICE_ROUNDS = 5
 _keel_ops: Any = None  # keel's compiled kernels, once keel_gemm_chosen() has found them
+_float16_allowed = False  # within float16_gemms(True): the model being packed allows them
+_fp16_gemm_faster: bool | None = None  # measured once per process
+
+
+@contextlib.contextmanager
+def float16_gemms(allowed: bool) -> Iterator[None]:
+    """Within it, float32 weights may be packed for fp16_gemm (fp16_gemm_chosen): the loader
+    packs a model inside it with ModelConfig.float16_gemms (dtype="auto" allowed it)."""
+    global _float16_allowed
+    before, _float16_allowed = _float16_allowed, allowed
+    try:
+        yield
+    finally:
+        _float16_allowed = before
+
+
+def fp16_gemm_chosen() -> bool:
+    """Whether a float32 weight packed now goes to fp16_gemm (csrc/fp16_gemm.cpp): inside
+    float16_gemms(True), under KEEL_CPU_GEMM=auto, with keel's kernels built for AVX512-FP16,
+    and where it measured faster than the float32 GEMM chosen (keel's or oneDNN's) at a
+    decode shape (once per process)."""
+    global _fp16_gemm_faster, _keel_ops
+    if not _float16_allowed or _gemm_mode() != "auto":
+        return False
+    from keel.cpu_ops import get_cpu_ops
+
+    ops = get_cpu_ops()
+    if ops is None or not ops.fp16_gemm_available():
+        return False
+    _keel_ops = ops
+    if _fp16_gemm_faster is None:
+        float32 = "keel" if keel_gemm_chosen() else "onednn"
+        _fp16_gemm_faster = _first_faster((torch.float32, "fp16"), (torch.float32, float32),
+                                          _CHOICE_ROUNDS)
+        logger.info("dtype='auto': float32 GEMMs run on %s (measured on this CPU)",
+                    "float16 FMAs (keel's fp16_gemm)" if _fp16_gemm_faster
+                    else f"{float32}'s float32 GEMM")
+    return _fp16_gemm_faster
 
 
 def bf16_gemm_in_float32(weight: torch.Tensor) -> bool:
@@ -171,6 +220,9 @@ def _time_packed_gemm(dtype: torch.dtype, kernel: str = "onednn", rows: int = 64
     if kernel == "keel":  # called by keel_gemm_chosen(), which has found _keel_ops
         packed, x = _keel_ops.gemm_pack(w), x.float()
         fn = lambda: _keel_ops.gemm(x, packed, n)
+    elif kernel == "fp16":  # called by fp16_gemm_chosen(), likewise
+        packed, w_max = _keel_ops.fp16_gemm_pack(w)
+        fn = lambda: _keel_ops.fp16_gemm(x, packed, n, w_max)
     elif kernel == "amx":  # called by amx_choice.amx_gemm_chosen(), likewise
         packed = _keel_ops.amx_gemm_pack(w)
         fn = lambda: _keel_ops.amx_gemm(x, packed, n)

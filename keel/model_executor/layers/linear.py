@@ -34,7 +34,11 @@ from keel.model_executor.layers.gemm_choice import (  # noqa: F401 (re-exported)
     pack_weight,
     packed_linear,
 )
-from keel.model_executor.layers.packed_weights import cpu_gemm, pack_for_cpu_gemm
+from keel.model_executor.layers.packed_weights import (
+    cpu_gemm,
+    fp16_gemm_silu,
+    pack_for_cpu_gemm,
+)
 from keel.model_executor.layers.quantization import (
     QuantizedWeight,
     quantized_linear,
@@ -84,6 +88,13 @@ class LinearBase(nn.Module):
         self.amx_bias: torch.Tensor | None = None
         # The copy is for float32 passes (amx_gemm_f32: a float32 layer of bfloat16 values).
         self.amx_f32 = False
+        # packed_by "fp16" (packed_weights._fp16_pack): the weight's largest |W|, and for a
+        # [gate; up] layer its rows interleaved by 16 as the AMX copy's (fp16_silu, with its
+        # bias alike and the inverse order for a plain pass's columns).
+        self.fp16_w_max = 0.0
+        self.fp16_silu = False
+        self.fp16_bias: torch.Tensor | None = None
+        self.fp16_unorder: torch.Tensor | None = None
         # Weights kept quantized (keel/model_executor/quantize_model.py); then no dense copy.
         self.quant: QuantizedWeight | None = None
         # A folder converted from a .gguf: the file's int4 groups (keel's form) for the AMX
@@ -147,7 +158,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         (csrc/gemm.cpp gemm_silu, or a bfloat16 pass that the AMX GEMM takes (amx_takes) on
         its interleaved copy: the [T, 2I] product is never written out), or None where
         that path does not apply: another GEMM, a quantized pass, or widths that are not
-        multiples of 16."""
+        multiples of 16. On fp16_gemm (packed_by "fp16") an interleaved layer's float32
+        passes take silu in its epilogue likewise."""
+        if (self.fp16_silu and x.dtype == torch.float32 and x.dim() == 2
+                and not (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):
+            return fp16_gemm_silu(self, x)
         if (self.amx_silu and x.dtype == torch.bfloat16 and x.dim() == 2
                 and amx_choice.amx_takes(self.amx_weight, x.shape[0])
                 and not (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):

@@ -9,6 +9,7 @@ are made there once per process, and tests replace them there.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 
 from keel.model_executor.layers import amx_choice
 from keel.model_executor.layers import gemm_choice as choice
+
+logger = logging.getLogger(__name__)
 
 
 def _amx_copy(module: nn.Module, w: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
@@ -38,10 +41,33 @@ def _amx_copy(module: nn.Module, w: torch.Tensor, order: torch.Tensor | None) ->
     return choice._keel_ops.amx_gemm_pack(w.contiguous())
 
 
+def _fp16_pack(module: nn.Module, w: torch.Tensor) -> bool:
+    """Pack the float32 weight `w` for fp16_gemm (packed_by "fp16", its largest |W| in
+    `fp16_w_max`); False where float16 cannot hold its values (it then stays float32). A
+    [gate; up] layer that only feeds silu_and_mul gets its rows interleaved by 16 (`fp16_silu`,
+    its bias alike in `fp16_bias`): gemm_silu takes silu in the epilogue, and a plain pass puts
+    its columns back by `fp16_unorder`."""
+    n = w.shape[0]
+    pairs = getattr(module, "silu_pairs", False) and n % 32 == 0
+    order = choice.silu_pair_order(n) if pairs else None
+    try:
+        packed, w_max = choice._keel_ops.fp16_gemm_pack(w if order is None else w[order])
+    except RuntimeError as e:  # a value beyond float16's range
+        logger.warning("A [%d, %d] weight stays on the float32 GEMM: %s", *w.shape, e)
+        return False
+    module.packed_weight, module.packed_by, module.fp16_w_max = packed, "fp16", w_max
+    module.fp16_silu = pairs
+    module.fp16_bias = (module.bias.detach()[order].float().contiguous()
+                        if pairs and module.bias is not None else None)
+    module.fp16_unorder = torch.argsort(order) if pairs else None
+    return True
+
+
 def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool = True) -> None:
     """Pack `module.weight` into `module.packed_weight` for the GEMM chosen for it
-    (`module.packed_by`: "keel", "onednn", or "onednn-upcast" for a bfloat16 weight given to
-    oneDNN as its float32 upcast), and (unless told to keep it) release the dense copy, as
+    (`module.packed_by`: "fp16" for a float32 weight on float16 FMAs where dtype="auto"
+    allows them (_fp16_pack), "keel", "onednn", or "onednn-upcast" for a bfloat16 weight given
+    to oneDNN as its float32 upcast), and (unless told to keep it) release the dense copy, as
     vLLM's CPU backend does. Nothing is packed where neither GEMM takes the weight. `amx`:
     whether a bfloat16 weight may also get the AMX GEMM's copy; a float32 weight of bfloat16
     values gets its copy for float32 passes either way (_amx_f32_copy)."""
@@ -49,7 +75,10 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
         return
     w = module.weight
     in_float32 = choice.bf16_gemm_in_float32(w)
-    if (w.dtype == torch.float32 or in_float32) and w.device.type == "cpu" \
+    if w.dtype == torch.float32 and w.device.type == "cpu" and choice.fp16_gemm_chosen() \
+            and _fp16_pack(module, w.detach()):
+        pass
+    elif (w.dtype == torch.float32 or in_float32) and w.device.type == "cpu" \
             and choice.keel_gemm_chosen():
         module.packed_weight, module.packed_by = choice._keel_ops.gemm_pack(w.detach()), "keel"
     elif in_float32 and choice._onednn_available():
@@ -65,7 +94,7 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
     else:
         return
     module.packed_rows = w.shape[0]
-    if w.dtype == torch.float32:  # the LM head's too (amx=False is for bfloat16 copies)
+    if w.dtype == torch.float32 and module.packed_by != "fp16":  # the LM head's too (amx=False is for bfloat16 copies)
         _amx_f32_copy(module, w.detach())
     if release_dense:
         module.weight = nn.Parameter(w.new_empty(0), False)
@@ -107,6 +136,8 @@ def _amx_f32_copy(module: nn.Module, w: torch.Tensor) -> None:
 def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ packed weight (+ bias); in float32 for a bfloat16 weight computed in float32,
     rounded back."""
+    if module.packed_by == "fp16":
+        return _fp16_gemm(module, x, bias)
     amx = getattr(module, "amx_weight", None)
     if (amx is not None and getattr(module, "amx_f32", False) and not module.amx_silu
             and x.dim() == 2 and x.dtype == torch.float32):
@@ -124,3 +155,21 @@ def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
                                    None if bias is None else bias.float())
         return out.to(x.dtype)
     return choice.packed_linear(x, module.packed_weight, bias)
+
+
+def _fp16_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """cpu_gemm on fp16_gemm (float32 in and out); an interleaved [gate; up] layer's columns
+    put back in order."""
+    if module.fp16_silu and bias is not None:
+        bias = module.fp16_bias
+    out = choice._keel_ops.fp16_gemm(x.float(), module.packed_weight, module.packed_rows,
+                                     module.fp16_w_max, None if bias is None else bias.float())
+    if module.fp16_silu:
+        out = out.index_select(1, module.fp16_unorder)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def fp16_gemm_silu(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of an interleaved [gate; up] layer on fp16_gemm (float32 x)."""
+    return choice._keel_ops.fp16_gemm(x, module.packed_weight, module.packed_rows,
+                                      module.fp16_w_max, module.fp16_bias, True)

@@ -136,8 +136,13 @@ def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
 
     # The load-time kernel choices (None: not measured in this process), so that a record
     # shows when one went the other way (forty-fourth round).
-    gemms = {"float32 GEMMs": gemm_choice._keel_gemm_faster,
-             "bfloat16 decode GEMMs": amx_choice._amx_gemm_faster}
+    def named(chosen: bool | None, yes: str, no: str) -> str | None:
+        return None if chosen is None else yes if chosen else no
+
+    gemms = {"float32 GEMMs": named(gemm_choice._keel_gemm_faster, "keel", "oneDNN"),
+             "bfloat16 decode GEMMs": named(amx_choice._amx_gemm_faster, "keel", "oneDNN"),
+             "GEMMs under auto": named(gemm_choice._fp16_gemm_faster, "float16 FMAs",
+                                       "float32")}
     return engine, {"startup_s": startup, "dtype": dtype, "kv_dtype": kv_dtype, "gemms": gemms}
 
 
@@ -190,7 +195,8 @@ def memory_floor(model, prompts: list[list[int]], dtype, read_gbs: float, kv_dty
     """The bytes one decode step at these prompts' contexts (+8 tokens, the middle of the 16
     steps timed) must read, and the time they take at `read_gbs`: each linear layer's and the
     LM head's weight in the form a decode pass reads (the AMX GEMM's copy where the layer has
-    one, else the weight in the compute dtype), and every request's K and V (in `kv_dtype`,
+    one, fp16_gemm's float16 panels where it runs on them, else the weight in the compute
+    dtype), and every request's K and V (in `kv_dtype`,
     the cache's, when given)."""
     import torch
 
@@ -202,6 +208,8 @@ def memory_floor(model, prompts: list[list[int]], dtype, read_gbs: float, kv_dty
             amx = getattr(m, "amx_weight", None)
             n_out = m.output_size if isinstance(m, LinearBase) else model.config.vocab_size
             n_in = m.input_size if isinstance(m, LinearBase) else model.config.hidden_size
+            if amx is None and getattr(m, "packed_by", "") == "fp16":
+                amx = m.packed_weight
             weight += (amx.numel() * amx.element_size() if amx is not None
                        else n_out * n_in * torch.empty(0, dtype=dtype).element_size())
     cfg = model.config
@@ -249,7 +257,10 @@ def gemm_floor(model, rows: int, dtype) -> dict:
     bfloat16 on AMX tiles, where the CPU has them), best of 20 each, with the weight hot in
     cache. A float32 run of a model whose weights are all bfloat16 values (keel kept tile
     copies for its float32 passes: `amx_f32`) may be computed in bfloat16 too, and its float32
-    candidates include csrc/amx_gemm.cpp's amx_gemm_f32."""
+    candidates include csrc/amx_gemm.cpp's amx_gemm_f32. A model whose layers dtype="auto"
+    put on float16 FMAs (packed_by "fp16": a float32 model on a CPU with AVX512-FP16 and no
+    AMX) is computed in float16 arithmetic, and its candidates include csrc/fp16_gemm.cpp's
+    fp16_gemm."""
     import torch
 
     from keel.cpu_ops import get_cpu_ops
@@ -271,6 +282,7 @@ def gemm_floor(model, rows: int, dtype) -> dict:
     if head is not None:
         shapes[(model.config.vocab_size, model.config.hidden_size)] = 1
     bf16_values = dtype == torch.float32 and bool(linears) and all(m.amx_f32 for m in linears)
+    on_fp16 = bool(linears) and all(m.packed_by == "fp16" for m in linears)
     lower = torch.bfloat16 if bf16_values else dtype  # the other precision it may run in
     precisions = [torch.float32] if lower == torch.float32 else [torch.float32, lower]
     total_flops, floor_s, per_shape = 0, 0.0, {}
@@ -290,6 +302,10 @@ def gemm_floor(model, rows: int, dtype) -> dict:
                     and hasattr(ops, "amx_gemm") and ops.amx_gemm_available()):
                 tiles = ops.amx_gemm_pack(w)
                 candidates.append(lambda p=tiles, x=x, n=n_out: ops.amx_gemm(x, p, n))
+            if ops is not None and dt == torch.float32 and on_fp16:
+                fp16_packed, w_max = ops.fp16_gemm_pack(w)
+                candidates.append(lambda p=fp16_packed, x=x, n=n_out, m=w_max:
+                                  ops.fp16_gemm(x, p, n, m))
             if (ops is not None and dt == torch.float32 and bf16_values and n_out % 16 == 0
                     and n_in % 32 == 0 and ops.amx_gemm_available()):
                 tiles = ops.amx_gemm_pack(w.bfloat16())
@@ -542,7 +558,7 @@ def report(args) -> None:
         info = child.info
         print(f"  {key[0]:5s} {key[1]:9s} loaded: start-up {info['startup_s']:.1f} s"
               + (f", computes in {info['dtype']}, K/V in {info.get('kv_dtype', info['dtype'])}"
-                 + "".join(f", {k}: {'keel' if v else 'oneDNN'}"
+                 + "".join(f", {k}: {v}"
                            for k, v in info.get("gemms", {}).items() if v is not None)
                  if key[0] == "keel" else ""), flush=True)
         best.setdefault(key, dict(info))

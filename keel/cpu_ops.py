@@ -18,8 +18,9 @@
   streams each panel from memory once per block of rows and prefetches the next while the
   current one is used; where it runs instead of oneDNN is layers/gemm_choice.py's choice.
 - `fp16_gemm_pack`, `fp16_gemm` (csrc/fp16_gemm.cpp, AVX512-FP16; `fp16_gemm_available()`):
-  float32 x @ W^T on float16 FMAs, for CPUs with AVX512-FP16 and no AMX tiles. Tested, not
-  yet used by the engine (BENCHMARKS.md, forty-fifth round).
+  float32 x @ W^T on float16 FMAs (silu(gate) * up in its epilogue where asked), for CPUs
+  with AVX512-FP16 and no AMX tiles: dtype="auto" runs a float32 model's GEMMs on it there
+  (layers/gemm_choice.py fp16_gemm_chosen).
 - `DecodePlan` (csrc/decode_layers.cpp): a Llama-family model's decoder layers for a pass of
   decode rows, in one call: the kernels above and the layers' GEMMs (oneDNN through the
   dispatcher, or the quantized kernels) in the Python layers' order, without the

@@ -91,14 +91,16 @@ inline __m512 widen(__m512h v, int upper) {
   return _mm512_cvtxph_ps(_mm256_castsi256_ph(half));
 }
 
-// R rows of x16 (pairs per row `ldx`) against P adjacent panels (w0, w1 = w0 + pairs * 32):
+// R rows of x16 (pairs per row `ldx`) against P adjacent panels (w0, w1 = w0 + pairs * 32),
+// prefetching `pf` .. `pf_end` (lines of the next item's panels) two lines every two pairs:
 // out[r][j] = sum * inv[r] + bias[j] for the first `cols` of the P * 16 columns (row stride
 // ldo); with Silu (P = 2: 16 gate columns, then their 16 up columns) out[r][j] = silu(gate) * up
 // for the 16 columns.
 template <int R, int P, bool Silu = false>
 __attribute__((noinline)) void tile(const uint16_t* x16, int64_t ldx, const uint16_t* w0,
                                     const uint16_t* w1, int64_t pairs, const float* inv,
-                                    const float* bias, int64_t cols, float* out, int64_t ldo) {
+                                    const float* bias, int64_t cols, float* out, int64_t ldo,
+                                    const char* pf, const char* pf_end) {
   __m512 f[R][2 * P];
 #pragma GCC unroll 10
   for (int r = 0; r < R; ++r)
@@ -109,6 +111,11 @@ __attribute__((noinline)) void tile(const uint16_t* x16, int64_t ldx, const uint
 #pragma GCC unroll 10
     for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ph();
     for (int64_t kp = kb; kp < ke; ++kp) {
+      if ((kp & 1) == 0 && pf < pf_end) {  // the next item's weights into L2, 2 lines
+        _mm_prefetch(pf, _MM_HINT_T1);
+        _mm_prefetch(pf + 64, _MM_HINT_T1);
+        pf += 128;
+      }
       __m512h b0 = _mm512_castsi512_ph(_mm512_loadu_si512(w0 + kp * 2 * kCols));
       __m512h b1 = P > 1 ? _mm512_castsi512_ph(_mm512_loadu_si512(w1 + kp * 2 * kCols)) : b0;
       __asm__("" : "+v"(b0), "+v"(b1));  // in registers, not folded into each FMA
@@ -166,14 +173,15 @@ __attribute__((noinline)) void tile(const uint16_t* x16, int64_t ldx, const uint
 template <int P, bool Silu = false>
 void tile_rows(int rows, const uint16_t* x16, int64_t ldx, const uint16_t* w0,
                const uint16_t* w1, int64_t pairs, const float* inv, const float* bias,
-               int64_t cols, float* out, int64_t ldo) {
+               int64_t cols, float* out, int64_t ldo, const char* pf, const char* pf_end) {
   switch (rows) {
 #define KEEL_FP16_TILE(R) \
-  case R: tile<R, P, Silu>(x16, ldx, w0, w1, pairs, inv, bias, cols, out, ldo); break;
+  case R: tile<R, P, Silu>(x16, ldx, w0, w1, pairs, inv, bias, cols, out, ldo, pf, pf_end); break;
     KEEL_FP16_TILE(10) KEEL_FP16_TILE(9) KEEL_FP16_TILE(8) KEEL_FP16_TILE(7)
     KEEL_FP16_TILE(6) KEEL_FP16_TILE(5) KEEL_FP16_TILE(4) KEEL_FP16_TILE(3) KEEL_FP16_TILE(2)
 #undef KEEL_FP16_TILE
-    default: tile<1, P, Silu>(x16, ldx, w0, w1, pairs, inv, bias, cols, out, ldo); break;
+    default: tile<1, P, Silu>(x16, ldx, w0, w1, pairs, inv, bias, cols, out, ldo, pf, pf_end);
+      break;
   }
 }
 
@@ -247,34 +255,50 @@ at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
   float* o = out.data_ptr<float>();
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks * groups);
   // Items: (block of rows, pair of panels), block by block; a run stays within one block.
-  keel::Claims claims(blocks * groups, threads, groups);
+  // Before the last item of its run a thread claims its next run, so that its tiles can
+  // prefetch the next item's panels into L2 (a share of them each), as csrc/gemm.cpp does.
+  const int64_t items = blocks * groups;
+  keel::Claims claims(items, threads, groups);
   keel::on_threads(threads, [&] {
-    int64_t end = 0;
-    for (int64_t item = claims.claim(end); item < blocks * groups; item = claims.claim(end)) {
-      for (; item < end; ++item) {
-        const int64_t blk = item / groups, g = item % groups, p = 2 * g;
-        const int64_t m0 = blk * kBlockRows, mb = std::min(kBlockRows, m - m0);
-        const int np = static_cast<int>(std::min<int64_t>(2, panels - p));
-        const int64_t c0 = p * kCols, cols = std::min<int64_t>(np * kCols, n - c0);
-        const uint16_t* w0 = w + p * panel_elems;
-        const float* bc = b != nullptr ? b + c0 : nullptr;
-        float* oc = o + (silu_mul ? g * kCols : c0);
-        // As few tiles as kRows allows, as even as can be (64 rows: 10 + 6 x 9, not 6 x 10 + 4).
-        const int64_t tiles = (mb + kRows - 1) / kRows, base = mb / tiles, extra = mb % tiles;
-        for (int64_t t = 0, r0 = m0; t < tiles; ++t) {
-          const int rows = static_cast<int>(base + (t < extra));
-          const uint16_t* xr = xh + r0 * 2 * pairs;
-          if (silu_mul)
-            tile_rows<2, true>(rows, xr, pairs, w0, w0 + panel_elems, pairs, inv + r0, bc, cols,
-                               oc + r0 * ldo, ldo);
-          else if (np == 2)
-            tile_rows<2>(rows, xr, pairs, w0, w0 + panel_elems, pairs, inv + r0, bc, cols,
-                         oc + r0 * ldo, ldo);
-          else
-            tile_rows<1>(rows, xr, pairs, w0, w0, pairs, inv + r0, bc, cols, oc + r0 * ldo, ldo);
-          r0 += rows;
-        }
+    int64_t end = 0, item = claims.claim(end);
+    while (item < items) {
+      const int64_t blk = item / groups, g = item % groups, p = 2 * g;
+      const int64_t m0 = blk * kBlockRows, mb = std::min(kBlockRows, m - m0);
+      const int np = static_cast<int>(std::min<int64_t>(2, panels - p));
+      const int64_t c0 = p * kCols, cols = std::min<int64_t>(np * kCols, n - c0);
+      const uint16_t* w0 = w + p * panel_elems;
+      const float* bc = b != nullptr ? b + c0 : nullptr;
+      float* oc = o + (silu_mul ? g * kCols : c0);
+      int64_t next = item + 1, next_end = end;
+      if (next == end) next = claims.claim(next_end);
+      const char* pf = nullptr;
+      int64_t pf_bytes = 0;
+      if (next < items) {
+        const int64_t np0 = next % groups * 2;
+        pf = reinterpret_cast<const char*>(w + np0 * panel_elems);
+        pf_bytes = std::min<int64_t>(2, panels - np0) * panel_elems * 2;
       }
+      // As few tiles as kRows allows, as even as can be (64 rows: 10 + 6 x 9, not 6 x 10 + 4).
+      const int64_t tiles = (mb + kRows - 1) / kRows, base = mb / tiles, extra = mb % tiles;
+      const int64_t share = (pf_bytes + tiles - 1) / tiles;  // bytes prefetched per tile
+      for (int64_t t = 0, r0 = m0; t < tiles; ++t) {
+        const int rows = static_cast<int>(base + (t < extra));
+        const uint16_t* xr = xh + r0 * 2 * pairs;
+        const char* pf0 = pf + std::min(pf_bytes, t * share);
+        const char* pf1 = pf + std::min(pf_bytes, (t + 1) * share);
+        if (silu_mul)
+          tile_rows<2, true>(rows, xr, pairs, w0, w0 + panel_elems, pairs, inv + r0, bc, cols,
+                             oc + r0 * ldo, ldo, pf0, pf1);
+        else if (np == 2)
+          tile_rows<2>(rows, xr, pairs, w0, w0 + panel_elems, pairs, inv + r0, bc, cols,
+                       oc + r0 * ldo, ldo, pf0, pf1);
+        else
+          tile_rows<1>(rows, xr, pairs, w0, w0, pairs, inv + r0, bc, cols, oc + r0 * ldo, ldo,
+                       pf0, pf1);
+        r0 += rows;
+      }
+      item = next;
+      end = next_end;
     }
   });
   return out;

@@ -19,7 +19,8 @@ PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
                        int64_t gemm_rows, bool float32_compute, std::optional<at::Tensor> amx,
                        int64_t amx_rows, int64_t amx_n, bool amx_silu,
                        std::optional<at::Tensor> amx_bias, std::optional<at::Tensor> fp16,
-                       int64_t fp16_n, double fp16_w_max, bool fp16_silu, std::optional<at::Tensor> fp16_bias,
+                       int64_t fp16_n, double fp16_w_max, bool fp16_silu,
+                       std::optional<at::Tensor> fp16_bias,
                        std::optional<at::Tensor> fp16_unorder) {
   PlanLinear lin;
   lin.fp16 = fp16.value_or(at::Tensor());
@@ -221,8 +222,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "of up to amx_rows rows on amx_gemm over `amx` (amx_gemm_pack of an [amx_n, K] "
            "weight; amx_silu: a [gate; up] weight interleaved by 16 rows, with amx_bias, "
            "which only silu_mul takes); passes above max_rows on fp16_gemm over `fp16` "
-           "(fp16_gemm_pack's of an [fp16_n, K] weight, largest |W| fp16_w_max; fp16_silu: rows interleaved by 16 as "
-           "amx_silu's, with fp16_bias, and a plain pass's columns put back by fp16_unorder)");
+           "(fp16_gemm_pack's of an [fp16_n, K] weight, largest |W| fp16_w_max; fp16_silu: "
+           "rows interleaved by 16 as amx_silu's, with fp16_bias, and a plain pass's columns "
+           "put back by fp16_unorder)");
   pybind11::class_<PassAttention>(m, "PassAttention",
                                   "the attention of a pass with prompt tokens (decode_layers.h)")
       .def(pybind11::init(&make_pass_attention), pybind11::arg("token_rows"),

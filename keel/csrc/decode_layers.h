@@ -41,9 +41,10 @@ struct PlanLinear {
   bool amx_silu = false;
   at::Tensor amx_bias;
   // Passes above max_rows: fp16_gemm over `fp16` (fp16_gemm_pack's panels of the [fp16_n, K]
-  // weight, its largest |W| fp16_w_max; a bfloat16 pass in float32, rounded back), as layers/packed_weights.py cpu_gemm takes it. fp16_silu: the rows are a
-  // [gate; up] layer's interleaved by 16 (fp16_bias alike): silu_mul takes them in the epilogue,
-  // a plain pass puts its columns back in [gate; up] order by fp16_unorder.
+  // weight, its largest |W| fp16_w_max; a bfloat16 pass in float32, rounded back), as
+  // layers/packed_weights.py cpu_gemm takes it. fp16_silu: the rows are a [gate; up] layer's
+  // interleaved by 16 (fp16_bias alike): silu_mul takes them in the epilogue, and a plain pass
+  // puts its columns back in [gate; up] order by fp16_unorder.
   at::Tensor fp16;
   double fp16_w_max = 0;
   int64_t fp16_n = 0;

@@ -12,7 +12,9 @@
 // (keel::silu16, as silu_and_mul computes it): the [M, N] product is never written out.
 //
 // Why: one 32-lane float16 FMA does twice a float32 FMA's products at the same rate; in
-// benchmarks/fp16_tile_rate.c such a tile ran ~1.75x keel's float32 tile. Over a bfloat16
+// benchmarks/fp16_tile_rate.c such a tile ran ~1.75x keel's float32 tile, and at the default
+// model's shapes with the weights from memory this GEMM ran 1.77-1.96x keel's float32 GEMM
+// (BENCHMARKS.md, forty-sixth round). Over a bfloat16
 // checkpoint's weights its mean error is 0.7x bfloat16 arithmetic's, its largest about the same
 // (BENCHMARKS.md, forty-fifth round). dtype="auto" takes it for a float32 model on a CPU with
 // AVX512-FP16 and no AMX tiles (layers/gemm_choice.py fp16_gemm_chosen).
@@ -23,7 +25,9 @@
 // port an FMA needs), so one FMA does two steps of k for 16 columns. The even and odd lanes'
 // float32 sums are added at the end. Rows go in blocks of kBlockRows (their float16 copy stays
 // in L2 while every panel passes over it: a long prompt chunk's x would otherwise stream from
-// L3 once per pair of panels); the threads claim runs of panel pairs within a block.
+// L3 once per pair of panels); the threads claim runs of panel pairs within a block, and each
+// tile prefetches a share of the next item's panels into L2 (without it the panels' first
+// reads from memory stalled the tiles: 1.34x keel's float32 GEMM at 64 rows, 1.77x with it).
 //
 // No float16 sum can overflow: each row of x is multiplied by a power of two (exact, undone
 // in float32 at the end) chosen so that 2 * kPairs products of the row's largest |x| and the

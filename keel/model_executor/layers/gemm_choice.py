@@ -36,8 +36,9 @@ products widened into float32 ones), as it lets a CPU with AMX compute such a mo
 (keel/dtypes.py auto_float16_gemms; the loader packs the model inside `float16_gemms(True)`).
 `fp16_gemm_chosen` then times it once against the float32 GEMM at a decode shape and keeps the
 faster. A float16 FMA does twice a float32 FMA's products at the same rate: at the default
-model's shapes with the weights from memory it ran 1.27-1.57x keel's float32 GEMM
-(BENCHMARKS.md, forty-fifth round), and its mean error is below bfloat16 arithmetic's.
+model's shapes with the weights from memory it ran 1.77x keel's float32 GEMM at 64 rows and
+1.80-1.96x at 512-2,048 (BENCHMARKS.md, forty-sixth round), and its mean error is below
+bfloat16 arithmetic's.
 dtype="float32" keeps float32 GEMMs.
 """
 

@@ -77,7 +77,7 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
     in_float32 = choice.bf16_gemm_in_float32(w)
     if w.dtype == torch.float32 and w.device.type == "cpu" and choice.fp16_gemm_chosen() \
             and _fp16_pack(module, w.detach()):
-        pass
+        pass  # packed for fp16_gemm (dtype="auto" on a CPU with AVX512-FP16 and no AMX)
     elif (w.dtype == torch.float32 or in_float32) and w.device.type == "cpu" \
             and choice.keel_gemm_chosen():
         module.packed_weight, module.packed_by = choice._keel_ops.gemm_pack(w.detach()), "keel"
@@ -94,7 +94,8 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
     else:
         return
     module.packed_rows = w.shape[0]
-    if w.dtype == torch.float32 and module.packed_by != "fp16":  # the LM head's too (amx=False is for bfloat16 copies)
+    # The LM head's too (amx=False is for bfloat16 copies); not beside fp16_gemm's panels.
+    if w.dtype == torch.float32 and module.packed_by != "fp16":
         _amx_f32_copy(module, w.detach())
     if release_dense:
         module.weight = nn.Parameter(w.new_empty(0), False)

@@ -193,3 +193,37 @@ def test_gguf_kept_quantized_with_tensor_parallelism():
     assert shapes == [(Int4Weight.__name__, (9 + 2 * 3) * 64 // 3, 576)] * 3
     assert got.token_ids == expected.token_ids
     assert "Paris" in got.text
+
+
+def test_float16_gemms_with_tensor_parallelism(hf_model_dir, monkeypatch):
+    """dtype="auto" for a float32 model on a CPU without AMX (as ModelConfig decides it, carried
+    to the workers): with AVX512-FP16 each rank packs its own shard for fp16_gemm (the
+    [gate; up] shard interleaved for the SiLU epilogue), and two ranks give one process's
+    greedy tokens, their log-probabilities within the float16 roundings' little (each rank
+    scales and rounds its own half of x and of the weights)."""
+    from keel import dtypes
+    from keel.cpu_ops import get_cpu_ops
+
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
+    folder = hf_model_dir("qwen3")
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    runs = {}
+    for tp in (1, 2):
+        llm = LLM(folder, dtype="auto", tensor_parallel_size=tp, kv_cache_memory_gib=0.0625)
+        assert llm.config.model_config.float16_gemms
+        packed = llm.engine_core.model_executor.collective_rpc(
+            lambda worker: sorted({(m.packed_by, m.fp16_silu) for m in
+                                   worker.model_runner.model.modules() if
+                                   getattr(m, "packed_by", "")}))
+        outs = llm.generate(PROMPTS[:2], sp, use_tqdm=False)
+        runs[tp] = [(list(o.outputs[0].token_ids),
+                     [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                    for o in outs]
+        llm.close()
+        if get_cpu_ops().fp16_gemm_available():
+            assert packed == [[("fp16", False), ("fp16", True)]] * tp, packed
+        else:
+            assert all(("fp16", False) not in p for p in packed), packed
+    for (tok1, lp1), (tok2, lp2) in zip(runs[1], runs[2]):
+        assert tok1 == tok2
+        assert max(abs(a - b) for a, b in zip(lp1, lp2)) < 0.05

@@ -143,8 +143,13 @@ def test_rows_past_a_block_and_a_reused_buffer(ops):
     for r in (0, 255, 256, 511, 999):
         assert torch.equal(big[r], ops.fp16_gemm(x[r : r + 1].clone(), packed, 80, w_max)[0])
     assert torch.equal(big[300:310], ops.fp16_gemm(x[300:310].clone(), packed, 80, w_max))
-    # K = 577 fills the last pair's second lane with 0, not with the previous call's value.
-    ops.fp16_gemm(torch.full((1000, 578), 7.0), ops.fp16_gemm_pack(torch.ones(80, 578))[0], 80,
-                  1.0)
+    # K = 577 fills the last pair's second lane with 0, not with the previous call's value:
+    # that call leaves inf there (its column 577), which times the weight's zero lane would
+    # make every output NaN.
+    stale = torch.full((1000, 578), 7.0)
+    stale[:, 577] = float("inf")
+    ops.fp16_gemm(stale, ops.fp16_gemm_pack(torch.ones(80, 578))[0], 80, 1.0)
+    out = ops.fp16_gemm(x[:4].clone(), packed, 80, w_max)
+    assert torch.isfinite(out).all()
     ref = x[:4].double() @ w.half().double().t()
-    assert (ops.fp16_gemm(x[:4].clone(), packed, 80, w_max).double() - ref).abs().max() < 5e-3
+    assert (out.double() - ref).abs().max() < 5e-3

@@ -104,7 +104,7 @@ _keel_gemm_faster: bool | None = None  # chosen once per process
 # (BENCHMARKS.md, forty-fourth round).
 OWN_KERNEL_MARGIN = 1.15
 _CHOICE_ROUNDS = 5
-_keel_ops: Any = None  # keel's compiled kernels, once keel_gemm_chosen() has found them
+_keel_ops: Any = None  # keel's kernels, once keel_gemm_chosen() or fp16_gemm_chosen() found them
 _float16_allowed = False  # within float16_gemms(True): the model being packed allows them
 _fp16_gemm_faster: bool | None = None  # measured once per process
 

@@ -91,11 +91,52 @@ class Engine:
         sp = self.sp(temperature=0, max_tokens=max_tokens_for(name, self.max_tokens),
                      ignore_eos=True)
         ps = self.prompts["rounds"][rnd][name]
+        split = self.split_steps() if hasattr(self, "split_steps") else None
         t0 = time.perf_counter()
         res = self.llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
         dt = time.perf_counter() - t0
         toks = [list(o.outputs[0].token_ids) for o in res]
-        return {"tok_s": rate(name, ps, toks, dt), "seconds": dt, "tokens": toks}
+        out = {"tok_s": rate(name, ps, toks, dt), "seconds": dt, "tokens": toks}
+        if split is not None:
+            out.update(split.result())
+        return out
+
+
+class StepSplit:
+    """keel's steps during one generate, timed in two sums: the steps that carry prompt tokens
+    (a prompt's chunks, with the decode rows of the requests already past theirs) and the steps
+    that only decode. Installed around `EngineCore.step_fn` for one run, then removed."""
+
+    def __init__(self, core) -> None:
+        self.core, self.prompt_s, self.decode_s, self.decode_steps = core, 0.0, 0.0, 0
+        self.decode_times: list[float] = []
+        inner = core.step_fn
+
+        def timed():
+            sched = core.scheduler
+            prompt = bool(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                for r in sched.running)
+            t0 = time.perf_counter()
+            out = inner()
+            t = time.perf_counter() - t0
+            if prompt:
+                self.prompt_s += t
+            else:
+                self.decode_s += t
+                self.decode_times.append(t)
+            if not sched.has_requests():  # the run is over: the engine's own step again
+                del core.step_fn
+            return out
+
+        core.step_fn = timed
+
+    def result(self) -> dict:
+        if "step_fn" in vars(self.core):  # (a run that raised)
+            del self.core.step_fn
+        return {"prompt_steps_s": self.prompt_s, "decode_steps_s": self.decode_s,
+                "decode_steps": len(self.decode_times),
+                "decode_step_ms": statistics.median(self.decode_times) * 1e3
+                if self.decode_times else None}
 
 
 def kv_cache_gib(dtype: str) -> float:
@@ -129,6 +170,7 @@ def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
     dtype = str(llm.engine_core.config.model_config.torch_dtype).replace("torch.", "")
     kv_dtype = str(llm.engine_core.config.cache_config.kv_torch_dtype).replace("torch.", "")
     engine = Engine(llm, SamplingParams, prompts, args.max_tokens)
+    engine.split_steps = lambda: StepSplit(llm.engine_core)
     # The decode step is measured at the short prompts' contexts.
     engine.floor = lambda: decode_step_and_floor(llm, prompts["rounds"][0]["short"],
                                                  prompts["rounds"][0].get("long"))
@@ -719,6 +761,40 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
                           f"{m['read_gbs']:.1f} GB/s {m['memory_floor_ms']:.1f} ms -> step / "
                           f"memory floor {m['step_ms'] / m['memory_floor_ms']:.2f}x (best "
                           f"{m['best_step_ms'] / m['memory_floor_ms']:.2f}x)")
+    for (engine, dtype), r in sorted(best.items()):
+        if engine == "keel" and "same_as" not in r:
+            print_step_split(args, dtype, r, best)
+
+
+def print_step_split(args, dtype: str, r: dict, best: dict) -> None:
+    """Where keel's best round of each workload went (steps that carry prompt tokens, steps
+    that only decode), and the most its decode steps could give: the round with each
+    decode-only step at its memory floor (measured at the long prompts' contexts as the
+    decode begins, so below the mean floor of the round's steps) and the prompt steps as
+    they ran -- tokens/s and the ratio to vLLM-CPU's best dtype that such a round would read."""
+    floors = {"long": (r.get("decode") or {}).get("long", {}).get("memory_floor_ms"),
+              "short": (r.get("decode") or {}).get("memory_floor_ms")}
+    for w in args.workloads:
+        res = r.get(w)
+        if not res or "prompt_steps_s" not in res:
+            continue
+        line = (f"keel {dtype}: {w}: best round {res['seconds']:.2f} s = steps with prompt "
+                f"tokens {res['prompt_steps_s']:.2f} s + {res['decode_steps']} decode-only "
+                f"steps {res['decode_steps_s']:.2f} s")
+        if res["decode_step_ms"] is not None:
+            line += f" (median {res['decode_step_ms']:.1f} ms)"
+        floor = floors.get(w)
+        if floor and res["decode_steps"]:
+            tokens = res["tok_s"] * res["seconds"]
+            at_floor = res["prompt_steps_s"] + res["decode_steps"] * floor / 1e3
+            bound = tokens / at_floor
+            peer = max((best.get(("vllm", d), {}).get(w, {}).get("tok_s", 0), d)
+                       for d in args.dtypes + ["float32"])
+            line += (f"; with every decode-only step at its memory floor ({floor:.1f} ms) "
+                     f"{at_floor:.2f} s: at most {bound:.1f} tok/s")
+            if peer[0]:
+                line += f", {bound / peer[0]:.2f}x vLLM-CPU's best ({peer[1]})"
+        print(line)
 
 
 if __name__ == "__main__":

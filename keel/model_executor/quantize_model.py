@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from keel.cpu_ops import cpu_ops_for
 from keel.model_executor.gguf_loader import HEAD_INT8_FILE, INT4_FILE, TYPES_FILE
 from keel.model_executor.gguf_quant import INT4_TYPES, INT8_TYPES
 from keel.model_executor.layers.amx_choice import amx_compressed_copy_chosen, amx_gemm_chosen
@@ -372,14 +373,29 @@ class _RowsCache:
 
 
 def _sweep(layers: list[nn.Module], x: torch.Tensor, quantized: bool) -> float:
-    """Seconds for x through every layer, best of two (the first one warms up)."""
+    """Seconds for x through every layer, best of two (the first one warms up). A [gate; up]
+    layer whose output only goes through silu_and_mul (silu_pairs) is timed as the MLP runs
+    it on each side: the kernel's product then silu_and_mul, or the dense weight's gemm_silu
+    (SiLU in the GEMM's epilogue; on an interleaved copy, a plain pass would also put the
+    columns back in order, which no pass of the engine does)."""
+    def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
+        ops = cpu_ops_for(y)
+        if ops is not None:
+            return ops.silu_and_mul(y)
+        gate, up = y.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
 
     def sweep() -> None:
         for m in layers:
+            silu = getattr(m, "silu_pairs", False)
             if quantized:
-                quantized_linear(x, m.quant)
-            else:
-                cpu_gemm(m, x, None)
+                y = quantized_linear(x, m.quant)
+                if silu:
+                    silu_and_mul(y)
+            elif not silu or m.gemm_silu(x, dense_only=True) is None:
+                y = cpu_gemm(m, x, None)
+                if silu:
+                    silu_and_mul(y)
 
     return best_seconds(sweep, 2, warmup=False)
 

@@ -241,3 +241,55 @@ def test_converted_folder_offers_its_blocks_to_the_amx_copies(prompts, monkeypat
     # oneDNN's GEMM may sum in another order: the logits agree to float32 rounding.
     torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-4)
     assert results[True][1] == results[False][1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_rows_per_pass_times_the_mlp_as_it_runs(dtype, monkeypatch):
+    """choose_rows_per_pass times a [gate; up] layer as the MLP runs it on each side: the
+    quantized kernel's product then silu_and_mul, or the dense weight's gemm_silu (SiLU in
+    the GEMM's epilogue) where the layer has one; not a plain dense pass, which on an
+    interleaved copy (AMX, or fp16_gemm under "auto" without AMX) also puts the columns back
+    in order."""
+    from keel.cpu_ops import get_cpu_ops
+    from keel.model_executor import quantize_model
+    from keel.model_executor.layers.linear import MergedColumnParallelLinear
+    from keel.model_executor.layers.packed_weights import cpu_gemm
+
+    model = load_model(ModelConfig(None, dtype=dtype))
+    layers = [m for m in model.modules() if isinstance(m, MergedColumnParallelLinear)
+              and m.quant is not None and m.packed_weight is not None]
+    assert layers, "the default model keeps a dense copy of its [gate; up] layers"
+    m = layers[0]
+    x = torch.randn(8, m.input_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(m.weight.dtype)
+    m.quant.max_rows = 64  # 8 rows go to the kernel
+    assert m.gemm_silu(x) is None
+    fused = m.gemm_silu(x, dense_only=True)
+    ops = get_cpu_ops()
+    if fused is not None:  # the dense path the engine takes past max_rows
+        plain = ops.silu_and_mul(cpu_gemm(m, x, None))
+        torch.testing.assert_close(fused, plain)  # (bfloat16: the dtype's own tolerance)
+
+    calls = {"dense": 0, "silu": 0}
+    real_gemm, real_silu = quantize_model.cpu_gemm, ops.silu_and_mul
+
+    def counted_gemm(*a):
+        calls["dense"] += 1
+        return real_gemm(*a)
+
+    class Ops:  # silu_and_mul counted, the rest as it is
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def silu_and_mul(self, y):
+            calls["silu"] += 1
+            return real_silu(y)
+
+    monkeypatch.setattr(quantize_model, "cpu_gemm", counted_gemm)
+    monkeypatch.setattr(quantize_model, "cpu_ops_for", lambda t: Ops())
+    quantize_model._sweep(layers[:2], x, True)
+    assert calls == {"dense": 0, "silu": 4}  # two sweeps (best of two) of two layers
+    calls.update(dense=0, silu=0)
+    quantize_model._sweep(layers[:2], x, False)
+    expected = 0 if fused is not None else 4
+    assert calls == {"dense": expected, "silu": expected}

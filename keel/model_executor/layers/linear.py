@@ -153,29 +153,29 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         dst.copy_(loaded)
 
 
-    def gemm_silu(self, x: torch.Tensor) -> torch.Tensor | None:
+    def gemm_silu(self, x: torch.Tensor, dense_only: bool = False) -> torch.Tensor | None:
         """silu(gate) * up for a [gate; up] layer, with the activation in keel's GEMM epilogue
         (csrc/gemm.cpp gemm_silu, or a bfloat16 pass that the AMX GEMM takes (amx_takes) on
         its interleaved copy: the [T, 2I] product is never written out), or None where
         that path does not apply: another GEMM, a quantized pass, or widths that are not
         multiples of 16. On fp16_gemm (packed_by "fp16") an interleaved layer's float32
-        passes take silu in its epilogue likewise."""
-        if (self.fp16_silu and x.dtype == torch.float32 and x.dim() == 2
-                and not (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):
+        passes take silu in its epilogue likewise. `dense_only`: the dense weight's path even
+        where the pass would go to the quantized kernel (quantize_model.choose_rows_per_pass
+        times the two)."""
+        if (not dense_only and self.quant is not None
+                and uses_kernel(self.quant, x, self.has_dense())) or x.dim() != 2:
+            return None
+        if self.fp16_silu and x.dtype == torch.float32:
             return fp16_gemm_silu(self, x)
-        if (self.amx_silu and x.dtype == torch.bfloat16 and x.dim() == 2
-                and amx_choice.amx_takes(self.amx_weight, x.shape[0])
-                and not (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):
+        if (self.amx_silu and x.dtype == torch.bfloat16
+                and amx_choice.amx_takes(self.amx_weight, x.shape[0])):
             return gemm_choice._keel_ops.amx_gemm(x, self.amx_weight, self.packed_rows,
                                                   self.amx_bias, True)
-        if (self.amx_silu and self.amx_f32 and x.dtype == torch.float32 and x.dim() == 2
-                and not (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):
+        if self.amx_silu and self.amx_f32 and x.dtype == torch.float32:
             return gemm_choice._keel_ops.amx_gemm_f32(x, self.amx_weight, self.packed_rows,
                                                       self.amx_bias, True)
-        if (self.packed_by != "keel" or x.dtype != torch.float32 or x.dim() != 2
-                or self.packed_rows % 32 or len(set(self.output_sizes)) != 1
-                or len(self.output_sizes) != 2
-                or (self.quant is not None and uses_kernel(self.quant, x, self.has_dense()))):
+        if (self.packed_by != "keel" or x.dtype != torch.float32 or self.packed_rows % 32
+                or len(set(self.output_sizes)) != 1 or len(self.output_sizes) != 2):
             return None
         return gemm_choice._keel_ops.gemm_silu(x, self.packed_weight, self.packed_rows, self.bias)
 

@@ -14,7 +14,8 @@ workload's prompt phase alone: prompts of 300-800 token ids (other ids than `lon
 token each, timed in prompt tokens/s; beside `long` it shows how an engine's lead splits
 between the prompt steps and the decode steps. keel also runs with `dtype="auto"` (its choice
 for this CPU). The keel processes also measure their decode step at 64 requests and the step's GEMM
-floor (see `gemm_floor`). Appends the JSON of the run to `benchmarks/results/vs_vllm.jsonl`.
+floor (see `gemm_floor`), and split each round into its prompt and decode-only steps, with the
+bound its decode steps allow (see `StepSplit`, `print_step_split`). Appends the JSON of the run to `benchmarks/results/vs_vllm.jsonl`.
 
     .venv/bin/python benchmarks/vs_vllm.py                       # needs /tmp/vllm-cpu-venv
     .venv/bin/python benchmarks/vs_vllm.py --engines keel hf --repeats 1 --num-prompts 8

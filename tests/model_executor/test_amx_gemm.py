@@ -61,10 +61,13 @@ def test_pack_needs_whole_tiles(ops, shape, message):
 def test_layer_takes_it_for_short_passes_or_all(ops, monkeypatch, prompt):
     """A bfloat16 layer keeps oneDNN's packed weight and, where the AMX GEMM is chosen, its
     tile copy: passes of up to AMX_GEMM_MAX_ROWS rows go to amx_gemm, longer ones too where
-    amx_prompt_chosen (else to oneDNN); all match the dense product."""
+    amx_prompt_chosen for plain passes (else to oneDNN; the [gate; up] + SiLU kind's choice is
+    set the other way, to show that it is not the one read); all match the dense product."""
     monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
-    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", prompt)
-    monkeypatch.setattr(amx_choice, "_amx_long_faster", prompt)
+    monkeypatch.setattr(amx_choice, "_amx_plain_prompt_faster", prompt)
+    monkeypatch.setattr(amx_choice, "_amx_plain_long_faster", prompt)
+    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", not prompt)  # the other kind's
+    monkeypatch.setattr(amx_choice, "_amx_long_faster", not prompt)
     monkeypatch.setattr(amx_choice, "_amx_bytes_left", 1 << 30)
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
     layer = ColumnParallelLinear(96, 80, bias=True, dtype=torch.bfloat16)
@@ -212,6 +215,8 @@ def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4,
     monkeypatch.setattr(amx_choice, "_compressed_faster", {"int4": True})
     monkeypatch.setattr(amx_choice, "_amx_prompt_faster", True)
     monkeypatch.setattr(amx_choice, "_amx_long_faster", True)
+    monkeypatch.setattr(amx_choice, "_amx_plain_prompt_faster", False)  # the other kind's
+    monkeypatch.setattr(amx_choice, "_amx_plain_long_faster", False)
     if not ops.amx_gemm_available():
         monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
         assert not amx_choice.amx_gemm_chosen()
@@ -287,66 +292,89 @@ def test_q8_0_blocks_are_recovered_exactly_or_refused():
     assert q8_0_blocks_of(w[:, :100].contiguous()) is None  # K not a multiple of 32
 
 
+def _unset_prompt_choices(monkeypatch):
+    for name in ("_amx_prompt_faster", "_amx_long_faster", "_amx_plain_prompt_faster",
+                 "_amx_plain_long_faster"):
+        monkeypatch.setattr(amx_choice, name, None)
+
+
 def test_prompt_passes_are_chosen_by_measuring(ops, monkeypatch):
-    """Prompt-sized passes go to the AMX GEMM only where a prompt chunk's MLP measured faster
-    on it than on oneDNN (once per process; past AMX_PROMPT_SPLIT_ROWS rows a second choice,
-    measured at 2,048), never without the AMX GEMM for decode passes; KEEL_AMX_PROMPT forces
-    the answer."""
+    """Prompt-sized passes go to the AMX GEMM only where they measured faster on it than on
+    oneDNN, in two kinds apart ([gate; up] with SiLU in the epilogue, timed on a prompt
+    chunk's MLP; plain passes, timed on qkv, o and down), once per process; past
+    AMX_PROMPT_SPLIT_ROWS rows a second choice, measured at 2,048; never without the AMX GEMM
+    for decode passes; KEEL_AMX_PROMPT forces every answer."""
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
-    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
+    _unset_prompt_choices(monkeypatch)
     monkeypatch.setattr(amx_choice, "_amx_gemm_faster", False)
     monkeypatch.setenv("KEEL_AMX_PROMPT", "1")
-    assert not amx_choice.amx_prompt_chosen()  # no AMX GEMM at all: not for prompts either
-    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
+    for silu in (True, False):  # no AMX GEMM at all: not for prompts either
+        assert not amx_choice.amx_prompt_chosen(silu)
+    _unset_prompt_choices(monkeypatch)
     monkeypatch.setenv("KEEL_AMX_PROMPT", "on")  # a bad value is refused without AMX too
     with pytest.raises(ValueError, match="KEEL_AMX_PROMPT='on': expected 0"):
-        amx_choice.amx_prompt_chosen()
+        amx_choice.amx_prompt_chosen(silu=True)
     if not ops.amx_gemm_available():
         return
     monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
-    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
+    _unset_prompt_choices(monkeypatch)
     monkeypatch.setenv("KEEL_AMX_PROMPT", "yes")
     with pytest.raises(ValueError, match="KEEL_AMX_PROMPT='yes': expected 0"):
-        amx_choice.amx_prompt_chosen()
+        amx_choice.amx_prompt_chosen(silu=False)
     for forced in ("0", "1"):
-        monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
+        _unset_prompt_choices(monkeypatch)
         monkeypatch.setenv("KEEL_AMX_PROMPT", forced)
-        assert amx_choice.amx_prompt_chosen() == (forced == "1")
-    # Measured: keel's faster at 512 rows, oneDNN at 2,048 -> keel up to the split only.
+        for silu in (True, False):
+            assert amx_choice.amx_prompt_chosen(silu) == (forced == "1")
+            assert amx_choice.amx_long_chosen(silu) == (forced == "1")
+    # Measured: the MLP faster on keel's at 512 rows and on oneDNN's at 2,048; the plain
+    # GEMMs faster on oneDNN's at both -> [gate; up] + SiLU on keel's up to the split only,
+    # plain passes never.
     calls = []
-    monkeypatch.setattr(amx_choice, "_time_prompt_mlp",
-                        lambda kernel, rows=512: lambda: calls.append((kernel, rows)) or (
-                            (1.0 if kernel == "amx" else 2.0) * (1 if rows == 512 else -1)))
-    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
-    monkeypatch.setattr(amx_choice, "_amx_long_faster", None)
+
+    def timing(kind, keel_faster_at):
+        def time_of(kernel, rows=512):
+            def run():
+                calls.append((kind, kernel, rows))
+                return 1.0 if (kernel == "amx") == (rows in keel_faster_at) else 2.0
+            return run
+        return time_of
+
+    monkeypatch.setattr(amx_choice, "_time_prompt_mlp", timing("mlp", {512}))
+    monkeypatch.setattr(amx_choice, "_time_prompt_plain", timing("plain", set()))
+    _unset_prompt_choices(monkeypatch)
     monkeypatch.delenv("KEEL_AMX_PROMPT")
-    assert amx_choice.amx_prompt_chosen() and amx_choice.amx_prompt_chosen()
-    assert not amx_choice.amx_long_chosen() and not amx_choice.amx_long_chosen()
-    assert sorted(set(calls)) == [("amx", 512), ("amx", 2048), ("onednn", 512),
-                                  ("onednn", 2048)] and len(calls) == 8  # 2 rounds, once
+    assert amx_choice.amx_prompt_chosen(silu=True) and amx_choice.amx_prompt_chosen(silu=True)
+    assert not amx_choice.amx_long_chosen(silu=True) and not amx_choice.amx_long_chosen(silu=True)
+    assert not amx_choice.amx_prompt_chosen(silu=False)
+    assert not amx_choice.amx_long_chosen(silu=False)  # (no plain prompt passes: not measured)
+    assert sorted(set(calls)) == [("mlp", "amx", 512), ("mlp", "amx", 2048),
+                                  ("mlp", "onednn", 512), ("mlp", "onednn", 2048),
+                                  ("plain", "amx", 512), ("plain", "onednn", 512)]
+    assert len(calls) == 12  # 2 rounds of each pair, each measured once
     split = amx_choice.AMX_PROMPT_SPLIT_ROWS
     bf16 = torch.empty(0, dtype=torch.bfloat16)
-    assert amx_choice.amx_takes(bf16, 65) and amx_choice.amx_takes(bf16, split)
-    assert not amx_choice.amx_takes(bf16, split + 1)
+    assert amx_choice.amx_takes(bf16, 65, silu=True)
+    assert amx_choice.amx_takes(bf16, split, silu=True)
+    assert not amx_choice.amx_takes(bf16, split + 1, silu=True)
+    assert amx_choice.amx_takes(bf16, 64, silu=False)
+    assert not amx_choice.amx_takes(bf16, 65, silu=False)
     monkeypatch.setattr(amx_choice, "_amx_long_faster", True)
-    assert amx_choice.amx_takes(bf16, 1 << 20)
+    assert amx_choice.amx_takes(bf16, 1 << 20, silu=True)
     # An int4 copy never takes a prompt pass, whatever was chosen.
-    assert not amx_choice.amx_takes(torch.empty(0, dtype=torch.uint8), 65)
-    # Forced, both choices follow KEEL_AMX_PROMPT; without a prompt choice, no long one.
-    for forced in ("0", "1"):
-        monkeypatch.setenv("KEEL_AMX_PROMPT", forced)
-        monkeypatch.setattr(amx_choice, "_amx_prompt_faster", None)
-        monkeypatch.setattr(amx_choice, "_amx_long_faster", None)
-        assert amx_choice.amx_long_chosen() == (forced == "1")
+    assert not amx_choice.amx_takes(torch.empty(0, dtype=torch.uint8), 65, silu=True)
 
 
 def test_prompt_mlp_timing_runs(ops, monkeypatch):
-    """The real measurement times both kernels' MLP (which is faster depends on the CPU)."""
+    """The real measurements time both kernels' MLP and plain GEMMs (which is faster depends
+    on the CPU)."""
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
     if not ops.amx_gemm_available():
         return
     for kernel in ("amx", "onednn"):
         t = amx_choice._time_prompt_mlp(kernel, rows=64, inter=128, hidden=64)()
+        assert 0 < t < 10
+        t = amx_choice._time_prompt_plain(kernel, rows=64, inter=128, hidden=64, qkv=96)()
         assert 0 < t < 10
 
 

@@ -17,6 +17,7 @@ from keel.model_executor import quantize_model
 from keel.model_executor.layers import amx_choice
 from keel.model_executor.layers import fused_decode as fused_mod
 from keel.model_executor.layers.quantization import _keel_ops
+from tests.hf_models import make_hf_model
 
 pytestmark = pytest.mark.skipif(_keel_ops() is None,
                                 reason="needs keel's quantized kernels (AVX2 + FMA CPU)")
@@ -192,11 +193,13 @@ def test_plan_follows_a_rebound_kv_cache(hf_model_dir, monkeypatch):
     assert torch.is_tensor(model.model.layers[0].self_attn.attn.kv_cache)
 
 
-@pytest.mark.parametrize("prompt_on_amx", [False, True])
-def test_bit_identical_past_64_rows(prompt_on_amx, hf_model_dir, monkeypatch):
+@pytest.mark.parametrize("silu_on_amx,plain_on_amx", [(False, False), (True, True),
+                                                       (True, False)])
+def test_bit_identical_past_64_rows(silu_on_amx, plain_on_amx, tmp_path, monkeypatch):
     """Decode passes of more than 64 rows (70 requests) in bfloat16: the fused pass takes the
     GEMM that the Python layers take for that many rows (keel's AMX GEMM where it is chosen
-    for prompt-sized passes too, else oneDNN), so the output stays bit-identical."""
+    for prompt-sized passes of the layer's kind, [gate; up] with SiLU or plain, else oneDNN),
+    so the output stays bit-identical."""
     from keel.cpu_ops import get_cpu_ops
     from keel.model_executor.layers import gemm_choice
 
@@ -204,10 +207,13 @@ def test_bit_identical_past_64_rows(prompt_on_amx, hf_model_dir, monkeypatch):
     if ops is not None and ops.amx_gemm_available():
         monkeypatch.setattr(gemm_choice, "_keel_ops", ops)
         monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
-    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", prompt_on_amx)
-    monkeypatch.setattr(amx_choice, "_amx_long_faster", prompt_on_amx)
+    monkeypatch.setattr(amx_choice, "_amx_prompt_faster", silu_on_amx)
+    monkeypatch.setattr(amx_choice, "_amx_long_faster", silu_on_amx)
+    monkeypatch.setattr(amx_choice, "_amx_plain_prompt_faster", plain_on_amx)
+    monkeypatch.setattr(amx_choice, "_amx_plain_long_faster", plain_on_amx)
     prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(4 + i % 9)] for i in range(70)]
-    folder = hf_model_dir("llama")
+    # (an intermediate size whose [gate; up] can be interleaved by 16 for the SiLU epilogue)
+    folder = str(make_hf_model("llama", tmp_path, intermediate_size=192))
     # The rows each planned layer gives the AMX GEMM (on these tiny layers the two GEMMs may
     # well sum alike, so the bits alone would not tell which ran).
     amx_rows = []
@@ -222,7 +228,7 @@ def test_bit_identical_past_64_rows(prompt_on_amx, hf_model_dir, monkeypatch):
 
         def PlanLinear(self, *args, **kwargs):
             if kwargs.get("amx") is not None:
-                amx_rows.append(kwargs["amx_rows"])
+                amx_rows.append((kwargs["amx_silu"], kwargs["amx_rows"]))
             return self.ops.PlanLinear(*args, **kwargs)
 
     def planned(ops_, linear, dtype):
@@ -235,7 +241,8 @@ def test_bit_identical_past_64_rows(prompt_on_amx, hf_model_dir, monkeypatch):
     assert tok_on == tok_off
     assert lp_on == lp_off
     if amx_choice._amx_gemm_faster:  # AMX copies were made: every pass or up to 64 rows
-        assert amx_rows and set(amx_rows) == {1 << 62 if prompt_on_amx else 64}
+        rows = {True: 1 << 62 if silu_on_amx else 64, False: 1 << 62 if plain_on_amx else 64}
+        assert set(amx_rows) == {(silu, rows[silu]) for silu in (True, False)}, amx_rows
 
 
 def test_pass_attention_refuses_bad_arguments():
@@ -271,8 +278,6 @@ def test_float16_gemms_are_fused_and_bit_identical(arch, overrides, tmp_path, mo
     from keel.cpu_ops import get_cpu_ops
     from keel.model_executor.layers import gemm_choice, packed_weights
     from keel.model_executor.loader import load_model
-    from tests.hf_models import make_hf_model
-
     monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
     monkeypatch.setattr(gemm_choice, "_fp16_gemm_faster", True)
     monkeypatch.setattr(torch_paged, "long_chunk_kernel", forced_long_kernel)

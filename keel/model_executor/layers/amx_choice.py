@@ -3,9 +3,12 @@
 A bfloat16 layer on oneDNN also keeps a copy of its weight in the GEMM's tile layout. The GEMM
 takes the passes of up to `AMX_GEMM_MAX_ROWS` rows (decode steps) unless oneDNN's times faster
 by more than gemm_choice.OWN_KERNEL_MARGIN at load, and the longer passes (prompt chunks) too
-if a prompt chunk's MLP also times faster on it: up to `AMX_PROMPT_SPLIT_ROWS` rows measured
-at 512 (`amx_prompt_chosen`), past that at 2,048 (`amx_long_chosen`; `KEEL_AMX_PROMPT=0|1`
-forces both); else oneDNN keeps them.
+where they time faster on it, in two kinds measured apart: a [gate; up] layer's passes with
+SiLU in the epilogue (`silu=True`: a prompt chunk's MLP against oneDNN's GEMMs and
+silu_and_mul) and every other layer's plain passes (`silu=False`: the default model's qkv, o
+and down GEMMs); up to `AMX_PROMPT_SPLIT_ROWS` rows measured at 512 (`amx_prompt_chosen`),
+past that at 2,048 (`amx_long_chosen`; `KEEL_AMX_PROMPT=0|1` forces all four); else oneDNN
+keeps them.
 The copies may take a quarter of the memory available at load; past that the remaining layers
 run on oneDNN alone. `KEEL_AMX_GEMM=0` turns it off.
 
@@ -43,6 +46,14 @@ _amx_prompt_faster: bool | None = None  # longer passes too (amx_prompt_chosen)
 # thirty-sixth round), so the 512-row measurement alone sent 2,048-row chunks to the slower.
 AMX_PROMPT_SPLIT_ROWS = 1024
 _amx_long_faster: bool | None = None  # passes past AMX_PROMPT_SPLIT_ROWS (amx_long_chosen)
+# The same two choices for plain passes (silu=False). Measured apart because the two kinds
+# went different ways on one host: with the weights in cache oneDNN's plain prompt GEMMs ran
+# 1.12-1.20x faster than keel's, while keel's [gate; up] with SiLU in its epilogue beat
+# oneDNN's GEMM and silu_and_mul; chosen apart, a 4,096-token prompt step took 443-459 ms
+# (median 445) against 465-471 with every layer on keel's and 456-459 on oneDNN's
+# (BENCHMARKS.md, forty-seventh round).
+_amx_plain_prompt_faster: bool | None = None
+_amx_plain_long_faster: bool | None = None
 _amx_bytes_left: int | None = None  # the copies' memory budget (see _amx_budget)
 
 
@@ -80,33 +91,45 @@ def _forced_choice(name: str, off: str, on: str) -> bool | None:
     return value == "1"
 
 
-def amx_prompt_chosen() -> bool:
+def amx_prompt_chosen(silu: bool) -> bool:
     """Whether passes of more than AMX_GEMM_MAX_ROWS rows (prompt chunks) also run on keel's
     AMX GEMM, over a layer's bfloat16 tile copy (never a widened int4 or int8 one), where it
-    is chosen for decode passes: measured once per process on the default model's MLP at 512
-    rows (gate_up with SiLU in the AMX GEMM's epilogue, then down; against oneDNN's two GEMMs
-    and silu_and_mul between them); passes of more than AMX_PROMPT_SPLIT_ROWS rows are
-    amx_long_chosen's. The AMX GEMM takes long passes in panels of 128 rows
-    (csrc/amx_gemm.cpp); on one AMX host the MLP of a 2,048-row chunk ran 1.5x faster on it
-    than on oneDNN, and oneDNN's brgemm has read 3.3 TFLOP/s at 2,048 rows on another, so it
-    is measured. KEEL_AMX_PROMPT=0 / 1 skips the measurement."""
-    global _amx_prompt_faster
-    if _amx_prompt_faster is None:
+    is chosen for decode passes: measured once per process and kind at 512 rows. `silu`: a
+    [gate; up] layer's passes with SiLU in the epilogue, timed on the default model's MLP
+    (gate_up with SiLU in the AMX GEMM's epilogue, then down; against oneDNN's two GEMMs and
+    silu_and_mul between them); else plain passes, timed on its qkv, o and down GEMMs.
+    Passes of more than AMX_PROMPT_SPLIT_ROWS rows are amx_long_chosen's. The AMX GEMM takes
+    long passes in panels of 128 rows (csrc/amx_gemm.cpp); on one AMX host the MLP of a
+    2,048-row chunk ran 1.5x faster on it than on oneDNN, and oneDNN's brgemm has read 3.3
+    TFLOP/s at 2,048 rows on another, so it is measured. KEEL_AMX_PROMPT=0 / 1 skips the
+    measurement."""
+    global _amx_prompt_faster, _amx_plain_prompt_faster
+    chosen = _amx_prompt_faster if silu else _amx_plain_prompt_faster
+    if chosen is None:
         _amx_prompt_forced()  # a bad value is an error on any CPU, AMX or not
-        _amx_prompt_faster = amx_gemm_chosen() and _prompt_rows_chosen(
-            512, f"{AMX_GEMM_MAX_ROWS + 1}-{AMX_PROMPT_SPLIT_ROWS} rows")
-    return _amx_prompt_faster
+        chosen = amx_gemm_chosen() and _prompt_rows_chosen(
+            512, f"{AMX_GEMM_MAX_ROWS + 1}-{AMX_PROMPT_SPLIT_ROWS} rows", silu)
+        if silu:
+            _amx_prompt_faster = chosen
+        else:
+            _amx_plain_prompt_faster = chosen
+    return chosen
 
 
-def amx_long_chosen() -> bool:
-    """Whether passes of more than AMX_PROMPT_SPLIT_ROWS rows run on keel's AMX GEMM too,
-    where amx_prompt_chosen: measured once per process as that choice, on a 2,048-row MLP
-    (the scheduler's default chunk). KEEL_AMX_PROMPT=0 / 1 forces this one as well."""
-    global _amx_long_faster
-    if _amx_long_faster is None:
-        _amx_long_faster = amx_prompt_chosen() and _prompt_rows_chosen(
-            2 * AMX_PROMPT_SPLIT_ROWS, f"more than {AMX_PROMPT_SPLIT_ROWS} rows")
-    return _amx_long_faster
+def amx_long_chosen(silu: bool) -> bool:
+    """Whether passes of more than AMX_PROMPT_SPLIT_ROWS rows of that kind run on keel's AMX
+    GEMM too, where amx_prompt_chosen: measured once per process as that choice, at 2,048
+    rows (the scheduler's default chunk). KEEL_AMX_PROMPT=0 / 1 forces this one as well."""
+    global _amx_long_faster, _amx_plain_long_faster
+    chosen = _amx_long_faster if silu else _amx_plain_long_faster
+    if chosen is None:
+        chosen = amx_prompt_chosen(silu) and _prompt_rows_chosen(
+            2 * AMX_PROMPT_SPLIT_ROWS, f"more than {AMX_PROMPT_SPLIT_ROWS} rows", silu)
+        if silu:
+            _amx_long_faster = chosen
+        else:
+            _amx_plain_long_faster = chosen
+    return chosen
 
 
 _amx_f32_faster: bool | None = None  # amx_f32_chosen
@@ -151,16 +174,17 @@ def _amx_prompt_forced() -> bool | None:
     return _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN", "on keel's AMX GEMM")
 
 
-def _prompt_rows_chosen(rows: int, passes: str) -> bool:
-    """KEEL_AMX_PROMPT's answer, else whether a `rows`-row MLP measures faster on keel's AMX
-    GEMM than on oneDNN (2 rounds, each the best of 5), logged as the choice for the passes
-    named."""
+def _prompt_rows_chosen(rows: int, passes: str, silu: bool) -> bool:
+    """KEEL_AMX_PROMPT's answer, else whether `rows` rows of the kind's passes (see
+    amx_prompt_chosen) measure faster on keel's AMX GEMM than on oneDNN (2 rounds, each the
+    best of 5), logged as the choice for the passes named."""
     forced = _amx_prompt_forced()
     if forced is not None:
         return forced
-    faster = gc._faster(_time_prompt_mlp("amx", rows=rows), _time_prompt_mlp("onednn", rows=rows),
-                     rounds=2)
-    logger.info("bfloat16 passes of %s: %s's GEMM (measured faster on a %d-row MLP)", passes,
+    timing = _time_prompt_mlp if silu else _time_prompt_plain
+    faster = gc._faster(timing("amx", rows=rows), timing("onednn", rows=rows), rounds=2)
+    logger.info("bfloat16 %s passes of %s: %s's GEMM (measured faster on %d rows)",
+                "[gate; up] + SiLU" if silu else "plain", passes,
                 "keel" if faster else "oneDNN", rows)
     return faster
 
@@ -185,18 +209,39 @@ def _time_prompt_mlp(kernel: str, rows: int = 512, inter: int = 1536,
     return lambda: best_seconds(fn, 5)
 
 
-def amx_max_rows(amx: torch.Tensor) -> int:
-    """The most rows of a pass that runs on the AMX GEMM over the copy `amx`: for a bfloat16
-    copy where amx_prompt_chosen, AMX_PROMPT_SPLIT_ROWS, or every pass where amx_long_chosen
-    as well."""
-    if amx.dtype == torch.bfloat16 and amx_prompt_chosen():
-        return 1 << 62 if amx_long_chosen() else AMX_PROMPT_SPLIT_ROWS
+def _time_prompt_plain(kernel: str, rows: int = 512, inter: int = 1536, hidden: int = 576,
+                       qkv: int = 960) -> Callable[[], float]:
+    """A timing (best of 5) of a prompt chunk's plain GEMMs in one layer of the default model:
+    qkv, o and down."""
+    from keel.utils import best_seconds
+
+    g = torch.Generator().manual_seed(0)
+    xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in (hidden, inter)}
+    shapes = [(qkv, hidden), (hidden, hidden), (hidden, inter)]  # (out, in)
+    weights = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for n, k in shapes]
+    if kernel == "amx":
+        packed = [gc._keel_ops.amx_gemm_pack(w) for w in weights]
+        fn = lambda: [gc._keel_ops.amx_gemm(xs[k], p, n) for p, (n, k) in zip(packed, shapes)]
+    else:
+        packed = [gc.pack_weight(w) for w in weights]
+        fn = lambda: [gc.packed_linear(xs[k], p) for p, (_, k) in zip(packed, shapes)]
+    return lambda: best_seconds(fn, 5)
+
+
+def amx_max_rows(amx: torch.Tensor, silu: bool) -> int:
+    """The most rows of a pass that runs on the AMX GEMM over the copy `amx` (`silu`: a [gate;
+    up] layer's pass with SiLU in the epilogue, else a plain one): for a bfloat16 copy where
+    amx_prompt_chosen for that kind, AMX_PROMPT_SPLIT_ROWS, or every pass where
+    amx_long_chosen as well."""
+    if amx.dtype == torch.bfloat16 and amx_prompt_chosen(silu):
+        return 1 << 62 if amx_long_chosen(silu) else AMX_PROMPT_SPLIT_ROWS
     return AMX_GEMM_MAX_ROWS
 
 
-def amx_takes(amx: torch.Tensor, rows: int) -> bool:
-    """Whether a pass of `rows` rows runs on the AMX GEMM over the copy `amx`."""
-    return rows <= amx_max_rows(amx)
+def amx_takes(amx: torch.Tensor, rows: int, silu: bool) -> bool:
+    """Whether a pass of `rows` rows runs on the AMX GEMM over the copy `amx` (`silu`: see
+    amx_max_rows)."""
+    return rows <= amx_max_rows(amx, silu)
 
 
 def _amx_budget(nbytes: int) -> bool:

@@ -74,16 +74,17 @@ def _plan_linear(ops: Any, linear: Any, dtype: torch.dtype) -> Any:
                               linear.bias, fp16=linear.packed_weight, fp16_n=linear.packed_rows,
                               fp16_w_max=linear.fp16_w_max, fp16_silu=linear.fp16_silu,
                               fp16_bias=linear.fp16_bias, fp16_unorder=linear.fp16_unorder)
-    # A bfloat16 model's AMX copy takes the passes amx_max_rows allows; a float32 layer's
-    # (amx_f32: bfloat16 values) every float32 pass, on amx_gemm_f32.
+    # A bfloat16 model's AMX copy takes the passes amx_max_rows allows for the layer's kind
+    # (its SiLU epilogue or plain passes); a float32 layer's (amx_f32: bfloat16 values) every
+    # float32 pass, on amx_gemm_f32.
     f32 = linear.amx_f32 and dtype == torch.float32
     amx = linear.amx_weight if dtype == torch.bfloat16 or f32 else None
     return ops.PlanLinear(q, d, m, max_rows, quantization.ACTIVATION_PARTS,
                           linear.packed_weight, weight, linear.bias,
                           gemm_rows=linear.packed_rows if linear.packed_by == "keel" else 0,
                           float32_compute=linear.packed_by == "onednn-upcast", amx=amx,
-                          amx_rows=(ALL_ROWS if f32 else amx_max_rows(amx)) if amx is not None
-                          else 0,
+                          amx_rows=0 if amx is None else ALL_ROWS if f32
+                          else amx_max_rows(amx, linear.amx_silu),
                           amx_n=linear.packed_rows, amx_silu=amx is not None and linear.amx_silu,
                           amx_bias=linear.amx_bias)
 

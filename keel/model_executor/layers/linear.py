@@ -168,7 +168,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if self.fp16_silu and x.dtype == torch.float32:
             return fp16_gemm_silu(self, x)
         if (self.amx_silu and x.dtype == torch.bfloat16
-                and amx_choice.amx_takes(self.amx_weight, x.shape[0])):
+                and amx_choice.amx_takes(self.amx_weight, x.shape[0], silu=True)):
             return gemm_choice._keel_ops.amx_gemm(x, self.amx_weight, self.packed_rows,
                                                   self.amx_bias, True)
         if self.amx_silu and self.amx_f32 and x.dtype == torch.float32:

@@ -89,7 +89,8 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
         if amx and w.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 \
                 and amx_choice.amx_gemm_chosen() \
                 and _keep_tile_copy(module, lambda order: _amx_copy(module, w.detach(), order)):
-            amx_choice.amx_long_chosen()  # both measured now, at load, not in a prompt
+            for silu in (True, False):  # all measured now, at load, not in a prompt
+                amx_choice.amx_long_chosen(silu)
         module.amx_int4 = None  # a converted folder's int4 groups were only for the copy
     else:
         return
@@ -145,7 +146,8 @@ def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
         return choice._keel_ops.amx_gemm_f32(x, amx, module.packed_rows,
                                              None if bias is None else bias.float())
     if (amx is not None and not getattr(module, "amx_silu", False) and x.dim() == 2
-            and x.dtype == torch.bfloat16 and amx_choice.amx_takes(amx, x.shape[0])):
+            and x.dtype == torch.bfloat16
+            and amx_choice.amx_takes(amx, x.shape[0], silu=False)):
         return choice._keel_ops.amx_gemm(x, amx, module.packed_rows, bias)
     if module.packed_by == "keel":
         out = choice._keel_ops.gemm(x.float(), module.packed_weight, module.packed_rows,

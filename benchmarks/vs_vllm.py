@@ -183,8 +183,19 @@ def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
     def named(chosen: bool | None, yes: str, no: str) -> str | None:
         return None if chosen is None else yes if chosen else no
 
+    def prompt_passes(prompt: bool | None, long: bool | None) -> str | None:
+        if prompt is None:
+            return None
+        split = f"{amx_choice.AMX_PROMPT_SPLIT_ROWS:,}"
+        return ("oneDNN" if not prompt else "keel" if long
+                else f"keel up to {split} rows, then oneDNN")
+
     gemms = {"float32 GEMMs": named(gemm_choice._keel_gemm_faster, "keel", "oneDNN"),
              "bfloat16 decode GEMMs": named(amx_choice._amx_gemm_faster, "keel", "oneDNN"),
+             "bfloat16 prompt passes with SiLU": prompt_passes(amx_choice._amx_prompt_faster,
+                                                               amx_choice._amx_long_faster),
+             "plain ones": prompt_passes(amx_choice._amx_plain_prompt_faster,
+                                         amx_choice._amx_plain_long_faster),
              "GEMMs under auto": named(gemm_choice._fp16_gemm_faster, "float16 FMAs",
                                        "float32")}
     return engine, {"startup_s": startup, "dtype": dtype, "kv_dtype": kv_dtype, "gemms": gemms}

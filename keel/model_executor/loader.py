@@ -108,7 +108,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
             if process is not None:
                 process()
     if model_config.quantization_method is not None:
-        from keel.model_executor.quantize_model import choose_rows_per_pass
+        from keel.model_executor.rows_per_pass import choose_rows_per_pass
 
         choose_rows_per_pass(model)
     return model

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from keel import LLM, SamplingParams
-from keel.model_executor import quantize_model
+from keel.model_executor import rows_per_pass
 from keel.model_executor.layers import amx_choice
 from keel.model_executor.layers import fused_decode as fused_mod
 from keel.model_executor.layers.quantization import _keel_ops
@@ -53,7 +53,7 @@ def generate(folder: str, quantization: str | None, fused: bool, monkeypatch, pr
     monkeypatch.setattr(fused_mod.FusedDecode, "__call__", counting)
     # The kernel for passes of up to 4 rows, the dense GEMM above: fixed here, where the
     # engine measures it per layer shape (too close to call on these tiny layers).
-    monkeypatch.setattr(quantize_model, "choose_rows_per_pass", rows_up_to_4)
+    monkeypatch.setattr(rows_per_pass, "choose_rows_per_pass", rows_up_to_4)
     llm = LLM(folder, quantization=quantization, kv_cache_memory_gib=0.0625, dtype=dtype,
               kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
     sps = [LONG if i < 3 else SHORT for i in range(len(prompts))]
@@ -178,7 +178,7 @@ def test_plan_follows_a_rebound_kv_cache(hf_model_dir, monkeypatch):
     from keel.model_executor.direct import DirectRunner
     from keel.model_executor.loader import load_model
 
-    monkeypatch.setattr(quantize_model, "choose_rows_per_pass", rows_up_to_4)
+    monkeypatch.setattr(rows_per_pass, "choose_rows_per_pass", rows_up_to_4)
     model = load_model(ModelConfig(hf_model_dir("qwen3"), quantization="int8",
                                    dtype="float32"))
     prompts = [[3, 4, 5, 6], [9, 10]]

@@ -191,7 +191,7 @@ def test_lm_head_int8_is_kept_and_checked(tmp_path, monkeypatch, caplog):
 def test_rows_cache_is_replaced_whole(tmp_path, monkeypatch, caplog):
     """The per-CPU measurements of choose_rows_per_pass are written beside and renamed over
     the old file (no temporary file stays); a cache that cannot be written is logged."""
-    from keel.model_executor.quantize_model import _RowsCache
+    from keel.model_executor.rows_per_pass import _RowsCache
 
     monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path / "cache"))
     cache = _RowsCache()
@@ -202,7 +202,7 @@ def test_rows_cache_is_replaced_whole(tmp_path, monkeypatch, caplog):
     cache.path.unlink()
     cache.path.mkdir()  # cannot be replaced: the load goes on, measuring again next time
     cache.put("layer 576x576", 1)
-    with caplog.at_level(logging.WARNING, logger="keel.model_executor.quantize_model"):
+    with caplog.at_level(logging.WARNING, logger="keel.model_executor.rows_per_pass"):
         cache.save()
     assert "Cannot save" in caplog.text
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["quantized_rows.json"]
@@ -252,7 +252,7 @@ def test_rows_per_pass_times_the_mlp_as_it_runs(dtype, monkeypatch):
     interleaved copy (AMX, or fp16_gemm under "auto" without AMX) also puts the columns back
     in order."""
     from keel.cpu_ops import get_cpu_ops
-    from keel.model_executor import quantize_model
+    from keel.model_executor import rows_per_pass
     from keel.model_executor.layers.linear import MergedColumnParallelLinear
     from keel.model_executor.layers.packed_weights import cpu_gemm
 
@@ -261,7 +261,7 @@ def test_rows_per_pass_times_the_mlp_as_it_runs(dtype, monkeypatch):
             if getattr(m, "quant", None) is not None:
                 m.quant.max_rows = 8
 
-    monkeypatch.setattr(quantize_model, "choose_rows_per_pass", dense_kept)
+    monkeypatch.setattr(rows_per_pass, "choose_rows_per_pass", dense_kept)
     model = load_model(ModelConfig(None, dtype=dtype))
     layers = [m for m in model.modules() if isinstance(m, MergedColumnParallelLinear)
               and m.quant is not None and m.packed_weight is not None]
@@ -278,7 +278,7 @@ def test_rows_per_pass_times_the_mlp_as_it_runs(dtype, monkeypatch):
         torch.testing.assert_close(fused, plain)  # (bfloat16: the dtype's own tolerance)
 
     calls = {"dense": 0, "silu": 0}
-    real_gemm, real_silu = quantize_model.cpu_gemm, ops.silu_and_mul
+    real_gemm, real_silu = rows_per_pass.cpu_gemm, ops.silu_and_mul
 
     def counted_gemm(*a):
         calls["dense"] += 1
@@ -292,11 +292,11 @@ def test_rows_per_pass_times_the_mlp_as_it_runs(dtype, monkeypatch):
             calls["silu"] += 1
             return real_silu(y)
 
-    monkeypatch.setattr(quantize_model, "cpu_gemm", counted_gemm)
-    monkeypatch.setattr(quantize_model, "cpu_ops_for", lambda t: Ops())
-    quantize_model._sweep(layers[:2], x, True)
+    monkeypatch.setattr(rows_per_pass, "cpu_gemm", counted_gemm)
+    monkeypatch.setattr(rows_per_pass, "cpu_ops_for", lambda t: Ops())
+    rows_per_pass._sweep(layers[:2], x, True)
     assert calls == {"dense": 0, "silu": 4}  # two sweeps (best of two) of two layers
     calls.update(dense=0, silu=0)
-    quantize_model._sweep(layers[:2], x, False)
+    rows_per_pass._sweep(layers[:2], x, False)
     expected = 0 if fused is not None else 4
     assert calls == {"dense": expected, "silu": expected}

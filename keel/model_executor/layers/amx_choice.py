@@ -103,33 +103,28 @@ def amx_prompt_chosen(silu: bool) -> bool:
     2,048-row chunk ran 1.5x faster on it than on oneDNN, and oneDNN's brgemm has read 3.3
     TFLOP/s at 2,048 rows on another, so it is measured. KEEL_AMX_PROMPT=0 / 1 skips the
     measurement."""
-    global _amx_prompt_faster, _amx_plain_prompt_faster
-    chosen = _amx_prompt_faster if silu else _amx_plain_prompt_faster
-    if chosen is None:
+    def measure() -> bool:
         _amx_prompt_forced()  # a bad value is an error on any CPU, AMX or not
-        chosen = amx_gemm_chosen() and _prompt_rows_chosen(
+        return amx_gemm_chosen() and _prompt_rows_chosen(
             512, f"{AMX_GEMM_MAX_ROWS + 1}-{AMX_PROMPT_SPLIT_ROWS} rows", silu)
-        if silu:
-            _amx_prompt_faster = chosen
-        else:
-            _amx_plain_prompt_faster = chosen
-    return chosen
+
+    return _once("_amx_prompt_faster" if silu else "_amx_plain_prompt_faster", measure)
 
 
 def amx_long_chosen(silu: bool) -> bool:
     """Whether passes of more than AMX_PROMPT_SPLIT_ROWS rows of that kind run on keel's AMX
     GEMM too, where amx_prompt_chosen: measured once per process as that choice, at 2,048
     rows (the scheduler's default chunk). KEEL_AMX_PROMPT=0 / 1 forces this one as well."""
-    global _amx_long_faster, _amx_plain_long_faster
-    chosen = _amx_long_faster if silu else _amx_plain_long_faster
-    if chosen is None:
-        chosen = amx_prompt_chosen(silu) and _prompt_rows_chosen(
-            2 * AMX_PROMPT_SPLIT_ROWS, f"more than {AMX_PROMPT_SPLIT_ROWS} rows", silu)
-        if silu:
-            _amx_long_faster = chosen
-        else:
-            _amx_plain_long_faster = chosen
-    return chosen
+    return _once("_amx_long_faster" if silu else "_amx_plain_long_faster",
+                 lambda: amx_prompt_chosen(silu) and _prompt_rows_chosen(
+                     2 * AMX_PROMPT_SPLIT_ROWS, f"more than {AMX_PROMPT_SPLIT_ROWS} rows", silu))
+
+
+def _once(name: str, measure: Callable[[], bool]) -> bool:
+    """The module-level choice `name`, measured (and kept) the first time it is asked for."""
+    if globals()[name] is None:
+        globals()[name] = measure()
+    return globals()[name]
 
 
 _amx_f32_faster: bool | None = None  # amx_f32_chosen

@@ -160,7 +160,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         that path does not apply: another GEMM, a quantized pass, or widths that are not
         multiples of 16. On fp16_gemm (packed_by "fp16") an interleaved layer's float32
         passes take silu in its epilogue likewise. `dense_only`: the dense weight's path even
-        where the pass would go to the quantized kernel (quantize_model.choose_rows_per_pass
+        where the pass would go to the quantized kernel (rows_per_pass.choose_rows_per_pass
         times the two)."""
         if (not dense_only and self.quant is not None
                 and uses_kernel(self.quant, x, self.has_dense())) or x.dim() != 2:

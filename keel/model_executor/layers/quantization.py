@@ -26,7 +26,7 @@ dense GEMM here. A float32 model's activations are then rounded to bfloat16 on t
 and the output goes back to float32.
 
 `max_rows`: passes with more rows than this use the layer's dense weight instead, when the
-model keeps one (quantize_model.py measures where the kernels stop winning).
+model keeps one (rows_per_pass.py measures where the kernels stop winning).
 """
 
 from __future__ import annotations

@@ -336,14 +336,20 @@ def test_kernel_writes_float32_rows_into_a_bfloat16_cache():
     g = torch.Generator().manual_seed(5)
     cache = torch.zeros(2, 6, 3, 4, 64, dtype=torch.bfloat16)
     kv = torch.randn(10, 2 * 3 * 64, generator=g) * 3  # strided rows of one [T, k | v] buffer
+    # Denormal lanes (rounded into bfloat16 denormals, not read as zero as the one-instruction
+    # conversion reads them) in some vectors of 8, beside normal ones.
+    kv[2, 3] = torch.finfo(torch.float32).tiny / 3
+    kv[7, 200:203] = -torch.finfo(torch.float32).tiny * 0.7
     key, value = kv[:, :192].view(10, 3, 64), kv[:, 192:].view(10, 3, 64)
     slots = torch.randperm(24, generator=g)[:10]
     want = cache.clone()
     for t, slot in enumerate(slots.tolist()):
         want[0, slot // 4, :, slot % 4] = key[t].to(torch.bfloat16)
         want[1, slot // 4, :, slot % 4] = value[t].to(torch.bfloat16)
+    assert (want != 0).any() and want.float().abs().min() == 0
     ops.write_kv_cache(key, value, cache[0], cache[1], slots)
     assert torch.equal(cache, want)
+    assert cache[0, slots[2] // 4, 0, slots[2] % 4, 3] != 0  # the denormal kept
     with pytest.raises(RuntimeError, match="BFloat16 rows into a Float cache"):
         ops.write_kv_cache(key.bfloat16(), value.bfloat16(), cache[0].float(),
                            cache[1].float(), slots)

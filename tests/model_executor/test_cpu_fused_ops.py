@@ -136,3 +136,26 @@ def test_argmax_rows_equals_torch(ops):
         assert torch.equal(ops.argmax_rows(b), b.float().argmax(-1))
     with pytest.raises(RuntimeError, match="contiguous float32"):
         ops.argmax_rows(x.t())
+
+
+def test_bfloat16_rounding_of_denormals_and_nan_is_torchs(ops):
+    """A vector with a denormal or NaN lane rounds with integer operations (the one-instruction
+    conversion reads denormals as zero and keeps NaN payloads): the add of fused_add_rms_norm_
+    gives torch's bits there too, the lanes beside them included."""
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    res = torch.zeros(4, 64, dtype=torch.bfloat16)
+    x[0, :16] = torch.tensor([tiny / 4, -tiny / 8, tiny * 0.75] + [1.5] * 13).bfloat16()
+    x[1, 16:32] = float("nan")
+    x[2] = torch.randn(64).bfloat16()  # normal lanes only: the one-instruction path
+    x[3, 5] = tiny / 2
+    res[:] = torch.randn(4, 64).bfloat16()
+    res[0, :3] = 0
+    res[3, 5] = 0
+    want = x + res
+    assert (want[0, :3] != 0).all() and want[0, :3].float().abs().max() < tiny  # denormals
+    got_x, got_res = x.clone(), res.clone()
+    ops.fused_add_rms_norm_(got_x, got_res, torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    assert torch.equal(got_res[[0, 2, 3]], want[[0, 2, 3]])
+    assert got_res[1, 16:32].isnan().all()
+    assert torch.equal(got_res[1, :16], want[1, :16]) and torch.equal(got_res[1, 32:], want[1, 32:])

@@ -100,60 +100,50 @@ inline V loadv(const T* p) {
   return v;
 }
 
+// V's lanes as bfloat16 bits (N 16-bit lanes), rounded to nearest even as
+// c10::BFloat16(float) rounds them; a NaN becomes the quiet NaN 0x7FC0.
+template <typename V>
+inline typename lanes<sizeof(V) / sizeof(float)>::h bf16_bits(V v) {
+  constexpr int N = sizeof(V) / sizeof(float);
+  using H = typename lanes<N>::h;
+  using U = typename lanes<N>::u;
+  H h;
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define KEEL_BF16_CVT 1
-// 16 lanes rounded to bfloat16 in one instruction where that is c10::BFloat16(float)'s
-// rounding: vcvtneps2bf16 rounds to nearest even as it does, but reads a denormal input as
-// zero and keeps a NaN's payload. So a vector with a lane of either class (vfpclassps: QNaN
-// 0x01, denormal 0x20, SNaN 0x80; none in a model's activations) returns false, and the caller
-// rounds it with integer operations instead. The same bits either way, in ~3 instructions per
-// 16 values where the integer rounding takes ~9 (bfloat16 RMSNorm and RoPE were bound by it).
-template <typename V>
-inline bool bf16_cvt16(V v, __m256i& out) {
-  const __m512 f = reinterpret_cast<__m512&>(v);
-  if (_mm512_fpclass_ps_mask(f, 0x01 | 0x20 | 0x80) != 0) return false;
-  out = (__m256i)_mm512_cvtneps_pbh(f);
-  return true;
-}
-// The same for 8 lanes (AVX512-VL, which every CPU with AVX512-BF16 has).
-template <typename V>
-inline bool bf16_cvt8(V v, __m128i& out) {
-  const __m256 f = reinterpret_cast<__m256&>(v);
-  if (_mm256_fpclass_ps_mask(f, 0x01 | 0x20 | 0x80) != 0) return false;
-  out = (__m128i)_mm256_cvtneps_pbh(f);
-  return true;
-}
+  // One vcvtneps2bf16 rounds as c10 does, except that it reads a denormal input as zero and
+  // keeps a NaN's payload: a vector with a lane of either class (vfpclassps: QNaN 0x01,
+  // denormal 0x20, SNaN 0x80; none in a model's activations) takes the integer rounding
+  // below. ~3 instructions per vector where that takes ~9 (bfloat16 RMSNorm and RoPE were
+  // bound by it; BENCHMARKS.md, forty-eighth round).
+  constexpr int kOdd = 0x01 | 0x20 | 0x80;
+  if constexpr (N == 16) {
+    const __m512 f = reinterpret_cast<const __m512&>(v);
+    if (__builtin_expect(_mm512_fpclass_ps_mask(f, kOdd) == 0, 1)) {
+      const __m256bh r = _mm512_cvtneps_pbh(f);
+      std::memcpy(&h, &r, sizeof(h));
+      return h;
+    }
+  } else if constexpr (N == 8) {
+    const __m256 f = reinterpret_cast<const __m256&>(v);
+    if (__builtin_expect(_mm256_fpclass_ps_mask(f, kOdd) == 0, 1)) {
+      const __m128bh r = _mm256_cvtneps_pbh(f);
+      std::memcpy(&h, &r, sizeof(h));
+      return h;
+    }
+  }
 #endif
+  U bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const U rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16;
+  return __builtin_convertvector(v != v ? U{} + 0x7FC0 : rounded, H);
+}
 
 template <typename T, typename V>
 inline void storev(T* p, V v) {
   constexpr int N = sizeof(V) / sizeof(float);
-  using H = typename lanes<N>::h;
-  using U = typename lanes<N>::u;
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(p, &v, sizeof(v));
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-#if KEEL_BF16_CVT
-    if constexpr (N == 16) {
-      __m256i h;
-      if (__builtin_expect(bf16_cvt16(v, h), 1)) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
-        return;
-      }
-    } else if constexpr (N == 8) {
-      __m128i h;
-      if (__builtin_expect(bf16_cvt8(v, h), 1)) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
-        return;
-      }
-    }
-#endif
-    // Round to nearest even, as c10::BFloat16(float) does; NaN stays a quiet NaN.
-    U bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    const U rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16;
-    const U out = v != v ? U{} + 0x7FC0 : rounded;
-    const H h = __builtin_convertvector(out, H);
+    const auto h = bf16_bits(v);
     std::memcpy(p, &h, sizeof(h));
   } else {
     for (int i = 0; i < N; ++i) p[i] = static_cast<T>(v[i]);
@@ -168,21 +158,7 @@ inline V round_tov(V v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-#if KEEL_BF16_CVT
-    if constexpr (N == 16) {
-      __m256i h;
-      if (__builtin_expect(bf16_cvt16(v, h), 1))
-        return (V)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-    } else if constexpr (N == 8) {
-      __m128i h;
-      if (__builtin_expect(bf16_cvt8(v, h), 1))
-        return (V)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-    }
-#endif
-    U bits;  // storev's rounding, kept in the top half of a float32
-    std::memcpy(&bits, &v, sizeof(bits));
-    const U rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000u;
-    const U out = v != v ? U{} + 0x7FC00000u : rounded;
+    const U out = __builtin_convertvector(bf16_bits(v), U) << 16;  // storev's bits, widened
     V r;
     std::memcpy(&r, &out, sizeof(r));
     return r;

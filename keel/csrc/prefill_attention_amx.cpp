@@ -121,7 +121,6 @@ struct Scratch {
   alignas(64) float o[kRows * 256];
   alignas(64) float l[kRows * 16];  // each row's sum of P, 16 lanes
   float m[kRows];
-  float raise[kRows];  // m + kLazy / scale: a block score past it raises the row's maximum
 };
 
 // 2^t for t <= 0 (-inf gives 0 or NaN: callers mask those lanes): 2^floor(t) * 2^f with
@@ -249,14 +248,12 @@ void attend_item(const c10::BFloat16* q_ptr, int64_t q_stride, const uint32_t* k
       const __m512 smax = _mm512_max_ps(s0, s1);
       if (w.m[r] == ninf) {
         w.m[r] = _mm512_reduce_max_ps(smax);
-        w.raise[r] = w.m[r] + lazy;
-      } else if (_mm512_cmp_ps_mask(smax, _mm512_set1_ps(w.raise[r]), _CMP_GT_OQ) != 0) {
-        // One compare against the row's threshold, not a horizontal maximum, for every row
-        // and block; the maximum only when it is raised.
+      } else if (_mm512_cmp_ps_mask(smax, _mm512_set1_ps(w.m[r] + lazy), _CMP_GT_OQ) != 0) {
+        // One compare against the row's threshold m + kLazy / scale, not a horizontal
+        // maximum, for every row and block; the maximum only when it is raised.
         const float mb = _mm512_reduce_max_ps(smax);
         alpha[r] = std::exp((w.m[r] - mb) * scale);
         w.m[r] = mb;
-        w.raise[r] = mb + lazy;
         any_rescale = true;
         _mm512_store_ps(w.l + r * 16,
                         _mm512_mul_ps(_mm512_set1_ps(alpha[r]), _mm512_load_ps(w.l + r * 16)));

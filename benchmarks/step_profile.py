@@ -101,6 +101,8 @@ def main() -> None:
     time_phase(runner, "_prepare_inputs", "layout (_prepare_inputs)")
     time_phase(runner.model, "forward", "forward (decoder layers)")
     time_phase(runner.model, "compute_logits", "LM head")
+    if hasattr(runner.model, "greedy_token_ids"):  # the head's own argmax, in a greedy step
+        time_phase(runner.model, "greedy_token_ids", "LM head")
     time_phase(runner, "sample_tokens", "sample_tokens")
     time_phase(core.scheduler, "update_from_output", "update_from_output")
     kernel_time.clear()

@@ -38,6 +38,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -142,13 +144,80 @@ inline void widen_int4_tile(const uint8_t* src, uint16_t* dst) {
 // few slices at a time so that they stay in L1 for all of x's rows (K = 576 at 64 rows: the
 // whole pair's 36 KB beside x's 73 KB had the tile loads waiting on L2).
 constexpr int64_t kPanelRows = 128, kPanelRowsL1 = 512;
+
+// Greedy sampling in the epilogue (amx_gemm_argmax): each row's index of its largest output
+// value, the output never written. A value is compared as the GEMM's bfloat16 output would
+// be (rounded once, after the bias), so the index is torch's argmax over amx_gemm's output:
+// the first index of the row's largest value, a NaN counting as larger than any number (the
+// first NaN wins), -0 equal to +0. Columns from n_valid on are not candidates.
+//
+// Each thread keeps, per row and per lane (column % 16), the best value and its column among
+// the columns it has seen: a thread claims its items in ascending order, so a row's columns
+// reach a lane in ascending order and only a strictly better value replaces the kept one.
+// When the thread is done, each row's lanes are reduced and merged into `best` under a lock,
+// by value and then by the lower index, which does not depend on the threads' order.
+struct ArgmaxSink {
+  int64_t n_valid = 0;
+  std::vector<float> value;  // [M] the best so far over the threads merged
+  std::vector<int64_t> index;  // [M] -1: none yet
+  std::mutex lock;
+
+  // (v, i) better than (bv, bi) as torch's argmax orders them (bi < 0: none yet).
+  static bool better(float v, int64_t i, float bv, int64_t bi) {
+    if (bi < 0) return true;
+    const bool vn = v != v, bn = bv != bv;
+    if (vn || bn) return vn && (!bn || i < bi);
+    return v > bv || (v == bv && i < bi);
+  }
+};
+
+// One thread's lanes for rows [0, M): value and column per lane, column -1 where none yet.
+struct ArgmaxLanes {
+  std::vector<float> value;
+  std::vector<int32_t> column;
+  void reset(int64_t M) {
+    value.assign(M * 16, 0.f);
+    column.assign(M * 16, -1);
+  }
+  // Row r's 16 values of columns [c, c + 16), the bfloat16 output's values.
+  inline void update(int64_t r, int64_t c, __m512 v, int64_t n_valid) {
+    float* bv = value.data() + r * 16;
+    int32_t* bc = column.data() + r * 16;
+    const __m512 b = _mm512_loadu_ps(bv);
+    const __m512i bi = _mm512_loadu_si512(bc);
+    const __m512i ci = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(c)),
+                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                          12, 13, 14, 15));
+    const __mmask16 valid = _mm512_cmplt_epi32_mask(ci, _mm512_set1_epi32(
+                                                            static_cast<int32_t>(n_valid)));
+    const __mmask16 none = _mm512_cmplt_epi32_mask(bi, _mm512_setzero_si512());
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, b, _CMP_GT_OQ);
+    const __mmask16 vnan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 bnan = _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+    const __mmask16 take = valid & (none | gt | (vnan & static_cast<__mmask16>(~bnan)));
+    _mm512_storeu_ps(bv, _mm512_mask_mov_ps(b, take, v));
+    _mm512_storeu_si512(bc, _mm512_mask_mov_epi32(bi, take, ci));
+  }
+  // Rows [0, M)'s lanes reduced and merged into the sink.
+  void merge(int64_t M, ArgmaxSink& sink) const {
+    std::lock_guard<std::mutex> guard(sink.lock);
+    for (int64_t r = 0; r < M; ++r)
+      for (int l = 0; l < 16; ++l) {
+        const int64_t c = column[r * 16 + l];
+        if (c >= 0 && ArgmaxSink::better(value[r * 16 + l], c, sink.value[r], sink.index[r])) {
+          sink.value[r] = value[r * 16 + l];
+          sink.index[r] = c;
+        }
+      }
+  }
+};
 constexpr int64_t kL1Slices = 20;  // a pair of 20 slices is 40 KB of tiles (L1 holds 48)
 
 template <int Terms = 1, typename TOut = c10::BFloat16, typename PairWeight>
 void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t M, int64_t K,
                     int64_t n, const float* bf, const c10::BFloat16* bh, TOut* op,
                     bool stream_ahead, bool silu, int64_t chunk, const PairWeight& pair_weight,
-                    int64_t term_stride = 0) {
+                    int64_t term_stride = 0, ArgmaxSink* argmax = nullptr) {
   constexpr bool f32_out = std::is_same_v<TOut, float>;
   const int64_t M16 = (M + 15) / 16 * 16, full = M / 16 * 16;
   const int64_t pairs = (n + 31) / 32, slices = K / 32;
@@ -179,6 +248,9 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
     // The last block's sums: its rows are rounded and written (finish) while the tile unit
     // works on the next block's products, and are all written before that block's are stored.
     alignas(64) float acc[32 * 32];
+    // amx_gemm_argmax: this thread's lanes (a buffer it keeps; 64 rows: 8 KB).
+    static thread_local ArgmaxLanes lanes;
+    if (argmax != nullptr) lanes.reset(M);
     struct Pending {
       int64_t r0 = 0, rows = 0, done = 0, c0 = 0, j = 0, cols = 0;
     } pending;
@@ -216,7 +288,7 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, gu[1])));
       }
       for (int64_t r = p.done; !silu && r < upto; ++r) {
-        c10::BFloat16* dst = op + (p.r0 + r) * n + c0;
+        c10::BFloat16* dst = argmax != nullptr ? nullptr : op + (p.r0 + r) * n + c0;
         for (int64_t h = 0; h < p.cols; h += 16) {
           __m512 v = _mm512_load_ps(acc + r * 32 + h);
           if (bf != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bf + c0 + h));
@@ -225,8 +297,11 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256(
                                          reinterpret_cast<const __m256i*>(bh + c0 + h))),
                                      16)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + h),
-                              (__m256i)_mm512_cvtneps_pbh(v));
+          const __m256bh b = _mm512_cvtneps_pbh(v);
+          if (argmax != nullptr)  // the output's value, compared instead of written
+            lanes.update(p.r0 + r, c0 + h, _mm512_cvtpbh_ps(b), argmax->n_valid);
+          else
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + h), (__m256i)b);
         }
       }
       }
@@ -336,6 +411,7 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
     }
     finish(pending, pending.rows);
     _tile_release();
+    if (argmax != nullptr) lanes.merge(M, *argmax);
   });
 }
 
@@ -482,29 +558,40 @@ at::Tensor amx_gemm_pack_int8(at::Tensor q, at::Tensor d, at::Tensor dense) {
 #endif
 }
 
-at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,
-                    bool silu_mul) {
-  TORCH_CHECK(amx_gemm_available(), "amx_gemm: this build or CPU has no AMX-BF16 tiles");
+namespace {
+
+// amx_gemm's checks; whether `bias` is given.
+bool check_amx_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                    const std::optional<at::Tensor>& bias, bool silu_mul) {
+  TORCH_CHECK(amx_gemm_available(), name, ": this build or CPU has no AMX-BF16 tiles");
   const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
                   (packed.scalar_type() == at::kBFloat16 || int4 || int8),
-              "amx_gemm: bfloat16 x [M, K] and a packed weight (amx_gemm_pack, "
+              name, ": bfloat16 x [M, K] and a packed weight (amx_gemm_pack, "
               "amx_gemm_pack_int4 or amx_gemm_pack_int8) expected");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0 && n % 16 == 0 && n > 0, "amx_gemm: K % 32 == 0 and N % 16 == 0");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && n % 16 == 0 && n > 0, name, ": K % 32 == 0 and N % 16 == 0");
   const int64_t pairs = (n + 31) / 32, slices = K / 32;
   TORCH_CHECK(packed.numel() == pairs * slices * (int4 ? 768 : int8 ? 1152 : 1024),
-              "amx_gemm: packed weight of another shape");
+              name, ": packed weight of another shape");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->numel() == n && bias->is_contiguous() &&
                     (bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat),
-                "amx_gemm: one bias per output column, contiguous, bfloat16 or float32");
+                name, ": one bias per output column, contiguous, bfloat16 or float32");
   TORCH_CHECK(!silu_mul || n % 32 == 0,
-              "amx_gemm: silu_mul needs whole pairs of [16 gate | 16 up] columns");
-  at::Tensor out = at::empty({M, silu_mul ? n / 2 : n}, x.options());
-  if (M == 0) return out;
+              name, ": silu_mul needs whole pairs of [16 gate | 16 up] columns");
+  return has_bias;
+}
+
 #if KEEL_AMX
+// x @ W^T over any of the three copies into op [M, n] (or [M, n / 2] with silu_mul), or, with
+// `argmax`, each row's argmax into it instead. M > 0.
+void run_amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                  const std::optional<at::Tensor>& bias, bool has_bias, bool silu_mul,
+                  c10::BFloat16* op, ArgmaxSink* argmax) {
+  const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
+  const int64_t M = x.size(0), K = x.size(1), slices = K / 32;
   // The last rows padded to a whole tile (zeros) where M is not a multiple of 16, in a buffer
   // each calling thread keeps (no allocation per pass once it has grown).
   const int64_t full = M / 16 * 16;
@@ -517,7 +604,6 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
     std::memset(padded.data() + (M - full) * K, 0, (16 - (M - full)) * K * sizeof(c10::BFloat16));
   }
   const c10::BFloat16* tail = padded.data();
-  auto* op = out.data_ptr<c10::BFloat16>();
   const float* bf = has_bias && bias->scalar_type() == at::kFloat ? bias->data_ptr<float>()
                                                                    : nullptr;
   const c10::BFloat16* bh = has_bias && bias->scalar_type() == at::kBFloat16
@@ -539,12 +625,47 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
       else
         widen_pair<Int8Copy>(wq + (j * slices + s0) * 2 * tile_bytes, ns, tiles);
       return reinterpret_cast<const c10::BFloat16*>(tiles);
-    });
+    }, 0, argmax);
   } else {
     const auto* wp = packed.data_ptr<c10::BFloat16>();
     amx_gemm_tiles(xp, tail, M, K, n, bf, bh, op, true, silu_mul, slices,
-                   [&](int64_t j, int64_t s0, int64_t) { return wp + (j * slices + s0) * 1024; });
+                   [&](int64_t j, int64_t s0, int64_t) { return wp + (j * slices + s0) * 1024; },
+                   0, argmax);
   }
+}
+#endif
+
+}  // namespace
+
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,
+                    bool silu_mul) {
+  const bool has_bias = check_amx_gemm("amx_gemm", x, packed, n, bias, silu_mul);
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, silu_mul ? n / 2 : n}, x.options());
+  if (M == 0) return out;
+#if KEEL_AMX
+  run_amx_gemm(x, packed, n, bias, has_bias, silu_mul, out.data_ptr<c10::BFloat16>(), nullptr);
+#endif
+  return out;
+}
+
+// Greedy sampling fused into the LM head: for each row of x @ W^T (+ bias), the index of its
+// largest value among columns [0, n_valid), as torch's argmax of amx_gemm's bfloat16 output
+// would give it (see ArgmaxSink), without writing the [M, n] output.
+at::Tensor amx_gemm_argmax(at::Tensor x, at::Tensor packed, int64_t n, int64_t n_valid,
+                           std::optional<at::Tensor> bias) {
+  const bool has_bias = check_amx_gemm("amx_gemm_argmax", x, packed, n, bias, false);
+  TORCH_CHECK(n_valid > 0 && n_valid <= n, "amx_gemm_argmax: 0 < n_valid <= N needed");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return out;
+#if KEEL_AMX
+  ArgmaxSink sink;
+  sink.n_valid = n_valid;
+  sink.value.assign(M, 0.f);
+  sink.index.assign(M, -1);
+  run_amx_gemm(x, packed, n, bias, has_bias, false, nullptr, &sink);
+  std::memcpy(out.data_ptr<int64_t>(), sink.index.data(), M * sizeof(int64_t));
 #endif
   return out;
 }

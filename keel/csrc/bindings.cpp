@@ -159,6 +159,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm", &amx_gemm, "bfloat16 x @ W^T (+ bias) on AMX tiles",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("silu_mul") = false);
+  m.def("amx_gemm_argmax", &amx_gemm_argmax,
+        "each row's argmax over columns [0, n_valid) of amx_gemm's output, the output not "
+        "written", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("n_valid"),
+        py::arg("bias") = py::none());
   m.def("amx_gemm_f32", &amx_gemm_f32,
         "float32 x @ W^T (+ bias) on AMX tiles, W all bfloat16 values, x in three bfloat16 parts",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),

@@ -70,6 +70,10 @@ at::Tensor amx_gemm_pack_int8(at::Tensor q, at::Tensor d, at::Tensor dense);
 // rows 16j..), and the result is silu(gate) * up [M, N / 2], as silu_and_mul of the GEMM.
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,
                     bool silu_mul = false);
+// Each row's argmax over columns [0, n_valid) of amx_gemm(x, packed, n, bias)'s output, as
+// torch's argmax of it gives it, without writing the output: greedy sampling in the LM head.
+at::Tensor amx_gemm_argmax(at::Tensor x, at::Tensor packed, int64_t n, int64_t n_valid,
+                           std::optional<at::Tensor> bias);
 // float32 x [M, K] @ W^T (+ float32 bias) -> float32 [M, N] (silu_mul: [M, N / 2]) on the same
 // tiles, W's values all bfloat16 (amx_gemm_pack of it), x split into three bfloat16 parts.
 at::Tensor amx_gemm_f32(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,

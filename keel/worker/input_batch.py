@@ -95,8 +95,11 @@ class InputBatch:
         self.top_k_reqs: set[str] = set()
         self.min_p_reqs: set[str] = set()
         self.penalty_reqs: set[str] = set()
+        # Requests with a grammar: their logits get its bitmask in sample_tokens.
+        self.structured_reqs: set[str] = set()
         self._feature_sets = (self.greedy_reqs, self.random_reqs, self.top_p_reqs,
-                              self.top_k_reqs, self.min_p_reqs, self.penalty_reqs)
+                              self.top_k_reqs, self.min_p_reqs, self.penalty_reqs,
+                              self.structured_reqs)
 
         # Sparse per-row state, keyed by row (only rows that use the feature have an entry).
         self.generators: dict[int, torch.Generator] = {}  # per-request seeded generator
@@ -162,6 +165,8 @@ class InputBatch:
         self.repetition_penalties.np[req_index] = sp.repetition_penalty
         if sp.has_penalties:
             self.penalty_reqs.add(req_id)
+        if sp.structured_outputs is not None:
+            self.structured_reqs.add(req_id)
         if request.generator is not None:
             self.generators[req_index] = request.generator
         if sp.logit_bias:

@@ -33,7 +33,7 @@ from keel.trace.recorder import RunnerTrace
 from keel.worker.buffers import CpuGpuBuffer
 from keel.worker.grammar_bitmask import BatchGrammarBitmask
 from keel.worker.input_batch import CachedRequestState, InputBatch
-from keel.worker.sample_step import SampleTokensMixin
+from keel.worker.sample_step import SampleTokensMixin, _greedy_lm_head_allowed
 from keel.worker.spec_decode import RunnerSpecDecode, calc_spec_decode_metadata
 
 logger = logging.getLogger(__name__)
@@ -44,10 +44,13 @@ class ExecuteModelState(NamedTuple):
     execute_model() returns None."""
 
     scheduler_output: SchedulerOutput
-    logits: torch.Tensor  # [num_reqs, vocab], the LM head's dtype (sample_tokens widens it)
+    # [num_reqs, vocab], the LM head's dtype (sample_tokens widens it); None where the LM head
+    # took a greedy step's tokens itself (greedy_token_ids)
+    logits: torch.Tensor | None
     spec_decode_metadata: SpecDecodeMetadata | None  # None: no drafts this pass
     hidden_states: torch.Tensor  # [num_tokens, hidden]; the logits rows only with output_rows
     sample_hidden_states: torch.Tensor  # [num_reqs, hidden]
+    greedy_token_ids: torch.Tensor | None = None  # [num_reqs] int64 where logits is None
 
 
 class ModelRunner(SampleTokensMixin):
@@ -87,6 +90,7 @@ class ModelRunner(SampleTokensMixin):
         self.num_scheduled_tokens_np = np.zeros(n_req, dtype=np.int32)
         self._prep_event = torch.cuda.Event() if device.type == "cuda" else None
         self._grammar_bitmask = BatchGrammarBitmask(self.max_num_reqs, device)
+        self._greedy_lm_head = _greedy_lm_head_allowed()  # sample_step.py
         # Tracing (keel/trace/recorder.py): None when off, and then each hook is one check.
         self.trace = RunnerTrace() if config.trace_path else None
         mc = config.model_config
@@ -385,14 +389,20 @@ class ModelRunner(SampleTokensMixin):
             # EngineCore.step skips the second call (sample_tokens).
             return self._pool(hidden_states, num_reqs)
 
-        # Only the rows that will be sampled are projected to the vocabulary.
+        # Only the rows that will be sampled are projected to the vocabulary; in a step that
+        # only takes each row's argmax the LM head may take it itself, without the logits.
         sample_hidden_states = (hidden_states if output_rows is not None
                                 else hidden_states[logits_indices])
-        logits = self.model.compute_logits(sample_hidden_states, float32=False)
+        greedy = None
+        if self._greedy_in_lm_head(spec_decode_metadata):
+            greedy = self.model.greedy_token_ids(sample_hidden_states)
+        logits = (None if greedy is not None
+                  else self.model.compute_logits(sample_hidden_states, float32=False))
         if trace is not None:
             trace.after_forward()
         self.execute_model_state = ExecuteModelState(
-            scheduler_output, logits, spec_decode_metadata, hidden_states, sample_hidden_states
+            scheduler_output, logits, spec_decode_metadata, hidden_states, sample_hidden_states,
+            greedy,
         )
         # Now the pass has been launched: apply the corrections from the previous pass.
         if deferred_state_corrections_fn is not None:

@@ -6,11 +6,18 @@ parked `execute_model_state`, the persistent batch, the sampler, the pooler.
 
   sample_tokens(grammar_output)    unpark -> grammar bitmask onto the constrained rows ->
                                    sample -> drop rows still prefilling -> output
+
+A step whose every row takes its argmax (greedy, no logits processors, no logprobs, no
+drafts, no grammar in the batch) may have its tokens taken by the LM head itself, in its GEMM's
+epilogue, without the [num_reqs, vocab] logits (`_greedy_in_lm_head`; the LM head decides
+whether it can: ParallelLMHead.greedy_token_ids). The same tokens as the sampler's argmax of
+those logits. `KEEL_GREEDY_LM_HEAD=0` turns it off.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import numpy as np
@@ -19,11 +26,27 @@ import torch
 from keel.core.sched_output import GrammarOutput
 from keel.outputs import ModelRunnerOutput
 from keel.sample.rejection_sampler import rejection_sample
+from keel.sample.sampler import SamplerOutput
 from keel.worker.prompt_logprobs import get_prompt_logprobs_dict
 from keel.worker.spec_decode import append_token_lists
 
 
+def _greedy_lm_head_allowed() -> bool:
+    mode = os.environ.get("KEEL_GREEDY_LM_HEAD", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"KEEL_GREEDY_LM_HEAD must be 0 or 1, got {mode!r}.")
+    return mode == "1"
+
+
 class SampleTokensMixin:
+    def _greedy_in_lm_head(self, spec_decode_metadata) -> bool:
+        """Whether this step's sampling is each row's argmax of the logits and nothing else,
+        so that the LM head may take the tokens itself (model.greedy_token_ids)."""
+        meta = self.input_batch.sampling_metadata
+        return (spec_decode_metadata is None and meta.all_greedy and meta.no_processing
+                and meta.max_num_logprobs is None and not self.input_batch.structured_reqs
+                and self._greedy_lm_head and hasattr(self.model, "greedy_token_ids"))
+
     def _apply_grammar_bitmask(self, logits: torch.Tensor, grammar_output: GrammarOutput) -> None:
         """Mask the logits of the constrained rows (keel/worker/grammar_bitmask.py)."""
         batch = self.input_batch
@@ -42,6 +65,10 @@ class SampleTokensMixin:
         self.execute_model_state = None
         spec = state.spec_decode_metadata
         logits = state.logits
+        if logits is None and grammar_output is not None:
+            # The scheduler sends a grammar only for a structured request, which keeps the LM
+            # head from taking the tokens; should one come anyway, the logits are made here.
+            logits = self.model.compute_logits(state.sample_hidden_states, float32=False)
         if spec is not None:
             # One row per request for the Sampler (the bonus position: all a request without
             # drafts has); the draft targets go to the rejection sampler.
@@ -51,7 +78,7 @@ class SampleTokensMixin:
         num_reqs = batch.num_reqs
         discard = self.discard_request_mask.np[:num_reqs]
         meta = batch.sampling_metadata
-        if logits.dtype != torch.float32 and not (
+        if logits is not None and logits.dtype != torch.float32 and not (
                 spec is None and grammar_output is None and meta.all_greedy
                 and meta.no_processing and meta.max_num_logprobs is None):
             # Anything beyond a greedy argmax reads float32 logits (the argmax of bfloat16
@@ -67,7 +94,11 @@ class SampleTokensMixin:
             # output would depend on how its prompt was chunked (or whether it was preempted).
             kept = {row: g for row, g in meta.generators.items() if not discard[row]}
             meta = dataclasses.replace(meta, generators=kept)
-        sampler_output = self.sampler(logits, meta)
+        if logits is None:  # the LM head's own argmax (execute_model)
+            sampler_output = SamplerOutput(sampled_token_ids=state.greedy_token_ids,
+                                           logprobs=None)
+        else:
+            sampler_output = self.sampler(logits, meta)
         kept_rows = np.flatnonzero(~discard)
         req_ids = batch.req_ids  # exactly the batch, in row order, after condense()
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]

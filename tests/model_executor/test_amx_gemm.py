@@ -417,3 +417,67 @@ def test_amx_gemm_choice_favours_keel_within_the_margin(ops, monkeypatch, onednn
     keel = onednn_faster_by < linear_mod.OWN_KERNEL_MARGIN
     assert amx_choice.amx_gemm_chosen() == keel and amx_choice.amx_gemm_chosen() == keel
     assert sorted(calls) == ["amx"] * 5 + ["onednn"] * 5  # measured once, 5 rounds in turn
+
+
+def _torch_argmax(out: torch.Tensor) -> torch.Tensor:
+    return out.float().argmax(dim=-1)
+
+
+@pytest.mark.parametrize("m, n, n_valid", [(1, 96, 96), (5, 1024, 1000), (16, 49152, 49152),
+                                           (64, 3072, 3072), (70, 480, 470), (300, 960, 960)])
+@pytest.mark.parametrize("copy", ["bfloat16", "int8"])
+def test_argmax_in_the_epilogue_is_torchs_argmax_of_the_output(ops, m, n, n_valid, copy):
+    """amx_gemm_argmax (greedy sampling in the LM head): each row's index of its largest value
+    among columns [0, n_valid), as torch's argmax of amx_gemm's bfloat16 output gives it: ties
+    (equal columns, and +0 / -0) go to the first, a NaN beats every number and the first NaN
+    wins, padded columns are never chosen; over several panels of rows and a partial tile."""
+    g = torch.Generator().manual_seed(m + n)
+    k = 576
+    q, d, _ = q8_0_weight(n, k, g)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    x[m // 2] = 0  # a row of zeros: every column ties (with -0 and +0 among them)
+    if not ops.amx_gemm_available():
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            ops.amx_gemm_argmax(x, torch.empty(0, dtype=torch.bfloat16), n, n_valid)
+        return
+    # Ties: column 7 made large (the argmax of about half the rows) and copied into a later
+    # column, which another thread computes; past n_valid, a padded column twice as large.
+    d[7] *= 8
+    q[n - 40], d[n - 40] = q[7], d[7]
+    if n_valid < n:
+        q[n - 1], d[n - 1] = q[7], d[7] * 2
+    w = (q.float().view(n, k // 32, 32) * d[..., None]).view(n, k).bfloat16()
+    packed = ops.amx_gemm_pack_int8(q, d, w) if copy == "int8" else ops.amx_gemm_pack(w)
+    assert packed.numel()
+    out = ops.amx_gemm(x, packed, n)
+    want = _torch_argmax(out[:, :n_valid])
+    got = ops.amx_gemm_argmax(x, packed, n, n_valid)
+    assert got.dtype == torch.int64 and got.shape == (m,)
+    assert torch.equal(got, want)
+    assert int(got[m // 2]) == 0
+    assert m < 5 or (got == 7).sum() >= m // 4  # the tie was there to break
+    # A NaN column (a NaN weight) beats every number; of two, the first.
+    w_nan = w.clone()
+    w_nan[n_valid - 3, 5] = float("nan")
+    w_nan[n_valid - 2, 9] = float("nan")
+    nan_packed = ops.amx_gemm_pack(w_nan)
+    got = ops.amx_gemm_argmax(x, nan_packed, n, n_valid)
+    assert torch.equal(got, _torch_argmax(ops.amx_gemm(x, nan_packed, n)[:, :n_valid]))
+    assert (got == n_valid - 3).all()
+
+
+def test_argmax_in_the_epilogue_checks_its_arguments(ops):
+    x = torch.randn(3, 64).bfloat16()
+    if not ops.amx_gemm_available():
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            ops.amx_gemm_argmax(x, torch.empty(0, dtype=torch.bfloat16), 64, 64)
+        return
+    packed = ops.amx_gemm_pack(torch.randn(64, 64).bfloat16())
+    for bad in (0, 65):
+        with pytest.raises(RuntimeError, match="n_valid"):
+            ops.amx_gemm_argmax(x, packed, 64, bad)
+    with pytest.raises(RuntimeError, match="another shape"):
+        ops.amx_gemm_argmax(x, packed, 32, 32)
+    with pytest.raises(RuntimeError, match="bfloat16 x"):
+        ops.amx_gemm_argmax(x.float(), packed, 64, 64)
+    assert ops.amx_gemm_argmax(x[:0], packed, 64, 64).shape == (0,)

@@ -470,8 +470,12 @@ def test_grammar_bitmask_rows_follow_req_ids_not_rows(make_runner):
 def test_greedy_step_samples_the_bfloat16_logits_and_others_get_float32(config, monkeypatch):
     """A bfloat16 model's LM head gives bfloat16 logits. A step that is a greedy argmax alone
     samples them as they are (no float32 copy); a step with a random row widens them first.
-    Either way the tokens are the argmax of the float32 logits."""
+    Either way the tokens are the argmax of the float32 logits. (With the LM head's own
+    argmax off: where the head runs on the AMX GEMM it would take a greedy step's tokens
+    itself; tests/engine/test_greedy_lm_head.py.)"""
     import dataclasses
+
+    monkeypatch.setenv("KEEL_GREEDY_LM_HEAD", "0")
 
     bf16 = dataclasses.replace(config, model_config=dataclasses.replace(
         config.model_config, dtype="bfloat16"))
@@ -500,3 +504,62 @@ def test_greedy_step_samples_the_bfloat16_logits_and_others_get_float32(config, 
                        cached_reqs=cached(("a", 7, None), ("b", 5, None)),
                        nst={"a": 1, "b": 1, "c": 6}))
     assert seen == [torch.bfloat16, torch.float32]
+
+
+def test_greedy_step_takes_the_lm_heads_argmax_unless_a_grammar_is_in_the_batch(config,
+                                                                               monkeypatch):
+    """A bfloat16 head on the AMX GEMM takes an all-greedy step's tokens in its epilogue
+    (ParallelLMHead.greedy_token_ids): the argmax of the logits it would give. A request with a
+    grammar in the batch keeps the logits (its bitmask goes onto them); a bitmask that comes
+    for a step whose head took the tokens gets the logits made from the hidden states."""
+    import dataclasses
+
+    from keel.core.sched_output import GrammarOutput
+    from keel.cpu_ops import get_cpu_ops
+    from keel.model_executor.layers import amx_choice, gemm_choice
+    from keel.sampling_params import StructuredOutputsParams
+
+    monkeypatch.setenv("KEEL_GREEDY_LM_HEAD", "1")
+    ops = get_cpu_ops()
+    on_amx = ops is not None and ops.amx_gemm_available()
+    if on_amx:  # the AMX GEMM chosen (the engine measures it against oneDNN's)
+        monkeypatch.setattr(gemm_choice, "_keel_ops", ops)
+        monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
+    bf16 = dataclasses.replace(config, model_config=dataclasses.replace(
+        config.model_config, dtype="bfloat16"))
+    runner = ModelRunner(bf16, torch.device("cpu"))
+    runner.load_model()
+    runner.initialize_kv_cache(NUM_BLOCKS)
+    model = runner.model
+    assert (model.lm_head.amx_weight is not None) == on_amx
+    taken = []
+    real = model.greedy_token_ids
+
+    def checked(hidden):
+        out = real(hidden)
+        taken.append(out is not None)
+        if out is not None:
+            want = model.compute_logits(hidden, float32=False).float().argmax(-1)
+            assert torch.equal(out, want)
+        return out
+
+    monkeypatch.setattr(model, "greedy_token_ids", checked)
+    step(runner, sched(new=[new_req("a", prompt(7, 1), [0]), new_req("b", prompt(5, 2), [1])],
+                       nst={"a": 7, "b": 5}))
+    assert taken == [on_amx]
+    grammar = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(regex="x"))
+    assert runner.execute_model(sched(new=[new_req("c", prompt(6, 3), [2], sp=grammar)],
+                                      cached_reqs=cached(("a", 7, None), ("b", 5, None)),
+                                      nst={"a": 1, "b": 1, "c": 6})) is None
+    assert runner.execute_model_state.logits is not None and taken == [on_amx]
+    bitmask = torch.zeros(1, -(-VOCAB // 32), dtype=torch.int32)
+    bitmask[0, 0] = 1 << 9  # "c": only token 9
+    out = runner.sample_tokens(GrammarOutput(["c"], bitmask))
+    assert out.sampled_token_ids[out.req_id_to_index["c"]] == [9]
+    # "c" done: a greedy step again, and a bitmask for "a" all the same (never sent so).
+    assert runner.execute_model(sched(cached_reqs=cached(("a", 8, None), ("b", 6, None)),
+                                      nst={"a": 1, "b": 1}, finished={"c"})) is None
+    assert (runner.execute_model_state.logits is None) == on_amx
+    bitmask[0, 0] = 1 << 11
+    out = runner.sample_tokens(GrammarOutput(["a"], bitmask))
+    assert out.sampled_token_ids[out.req_id_to_index["a"]] == [11]

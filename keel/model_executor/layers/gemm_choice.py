@@ -125,16 +125,23 @@ def fp16_gemm_chosen() -> bool:
     """Whether a float32 weight packed now goes to fp16_gemm (csrc/fp16_gemm.cpp): inside
     float16_gemms(True), under KEEL_CPU_GEMM=auto, with keel's kernels built for AVX512-FP16,
     and where it measured faster than the float32 GEMM chosen (keel's or oneDNN's) at a
-    decode shape (once per process)."""
+    decode shape (once per process; each tensor-parallel rank measures in its own).
+    KEEL_FP16_GEMM=0 / 1 forces it (where the kernels are built for AVX512-FP16)."""
     global _fp16_gemm_faster, _keel_ops
     if not _float16_allowed or _gemm_mode() != "auto":
         return False
     from keel.cpu_ops import get_cpu_ops
+    from keel.model_executor.layers.amx_choice import _forced_choice
 
+    forced = _forced_choice("KEEL_FP16_GEMM", "float32 GEMMs", "float16 FMAs")
+    if forced is False:
+        return False
     ops = get_cpu_ops()
     if ops is None or not ops.fp16_gemm_available():
         return False
     _keel_ops = ops
+    if forced:
+        return True
     if _fp16_gemm_faster is None:
         float32 = "keel" if keel_gemm_chosen() else "onednn"
         _fp16_gemm_faster = _first_faster((torch.float32, "fp16"), (torch.float32, float32),

@@ -160,6 +160,18 @@ def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
     return choice.packed_linear(x, module.packed_weight, bias)
 
 
+def cpu_gemm_argmax(module: nn.Module, x: torch.Tensor, n_valid: int) -> torch.Tensor | None:
+    """Each row's argmax over columns [0, n_valid) of cpu_gemm(module, x, None), without its
+    output, where cpu_gemm would take keel's AMX GEMM (amx_gemm_argmax: the same bfloat16
+    values compared as torch's argmax compares them, so the same indices); None elsewhere."""
+    amx = getattr(module, "amx_weight", None)
+    if (module.packed_by == "fp16" or amx is None or getattr(module, "amx_silu", False)
+            or x.dim() != 2 or x.dtype != torch.bfloat16
+            or not amx_choice.amx_takes(amx, x.shape[0], silu=False)):
+        return None
+    return choice._keel_ops.amx_gemm_argmax(x, amx, module.packed_rows, n_valid)
+
+
 def _fp16_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """cpu_gemm on fp16_gemm (float32 in and out); an interleaved [gate; up] layer's columns
     put back in order."""

@@ -12,7 +12,11 @@ from keel.distributed import (
 )
 from keel.model_executor.layers import amx_choice, gemm_choice
 from keel.model_executor.layers.linear import default_weight_loader
-from keel.model_executor.layers.packed_weights import cpu_gemm, pack_for_cpu_gemm
+from keel.model_executor.layers.packed_weights import (
+    cpu_gemm,
+    cpu_gemm_argmax,
+    pack_for_cpu_gemm,
+)
 from keel.model_executor.layers.quantization import Int8Weight, quantized_linear, uses_kernel
 
 
@@ -71,14 +75,29 @@ class ParallelLMHead(VocabParallelEmbedding):
         w = self.weight.detach()
         if self.q8_blocks is not None and w.dtype == torch.bfloat16 and self.tp_size == 1 \
                 and amx_choice.amx_compressed_copy_chosen("int8"):
-            # The AMX GEMM over the file's int8 blocks (a bfloat16 copy ran at oneDNN's packed
-            # speed for 56 MB more), where every value widens to exactly `w`: 64 x 49152 x 576
-            # from memory, oneDNN 3.5-4.6 ms, the int8 copy 3.0-3.5 (benchmarks/amx_kernels.py).
+            # The AMX GEMM over the file's int8 blocks, where every value widens to exactly
+            # `w`: 64 x 49152 x 576 from memory, oneDNN 3.5-4.6 ms, the int8 copy 3.0-3.5
+            # (benchmarks/amx_kernels.py).
             copy = gemm_choice._keel_ops.amx_gemm_pack_int8(*self.q8_blocks, w)
             if copy.numel() and amx_choice._amx_budget(copy.numel()):
                 self.amx_weight = copy
         self.q8_blocks = None
-        pack_for_cpu_gemm(self, release_dense=not self.tied, amx=False)
+        # Else a bfloat16 head gets the AMX GEMM's bfloat16 copy where it is chosen (as the
+        # decoder's layers do). Its logits run at oneDNN's packed speed (56 MB more), but a
+        # greedy step then takes each row's token in the GEMM's epilogue without writing the
+        # logits (greedy_token_ids): 64 x 49152 x 576 from memory 3.6-4.5 ms against 4.1-5.9
+        # for oneDNN's logits and their argmax (BENCHMARKS.md, forty-ninth round).
+        pack_for_cpu_gemm(self, release_dense=not self.tied,
+                          amx=self.amx_weight is None and self.tp_size == 1)
+
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits(hidden).argmax(-1) [n] int64 without the logits, where the head runs
+        on keel's AMX GEMM for these rows (the argmax in its epilogue, over the same bfloat16
+        values); None elsewhere, for the caller to compute the logits."""
+        if self.tp_size > 1 or self.packed_weight is None or (
+                self.quant is not None and uses_kernel(self.quant, hidden, True)):
+            return None
+        return cpu_gemm_argmax(self, hidden, self.num_embeddings)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden: [n, hidden] (only the rows to be sampled) -> [n, vocab] in float32, or

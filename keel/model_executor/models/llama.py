@@ -251,6 +251,10 @@ class LlamaForCausalLM(nn.Module):
         # [n, vocab] float32 (else the model's dtype: ParallelLMHead.compute_logits)
         return self.lm_head.compute_logits(hidden, float32)
 
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # compute_logits(hidden).argmax(-1), or None (ParallelLMHead.greedy_token_ids)
+        return self.lm_head.greedy_token_ids(hidden)
+
     def expected_weights(self) -> set[str]:
         """Every (param, shard) that a complete checkpoint must provide, in HF names."""
         out = set()

@@ -213,11 +213,19 @@ struct ArgmaxLanes {
 };
 constexpr int64_t kL1Slices = 20;  // a pair of 20 slices is 40 KB of tiles (L1 holds 48)
 
-template <int Terms = 1, typename TOut = c10::BFloat16, typename PairWeight>
+// A thread's ArgmaxLanes (the pool's threads live as long as the process).
+inline ArgmaxLanes& thread_argmax_lanes() {
+  static thread_local ArgmaxLanes lanes;
+  return lanes;
+}
+
+template <int Terms = 1, typename TOut = c10::BFloat16, bool Argmax = false, typename PairWeight>
 void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t M, int64_t K,
                     int64_t n, const float* bf, const c10::BFloat16* bh, TOut* op,
                     bool stream_ahead, bool silu, int64_t chunk, const PairWeight& pair_weight,
                     int64_t term_stride = 0, ArgmaxSink* argmax = nullptr) {
+  static_assert(!Argmax || (Terms == 1 && std::is_same_v<TOut, c10::BFloat16>),
+                "the argmax epilogue is amx_gemm's (bfloat16 output)");
   constexpr bool f32_out = std::is_same_v<TOut, float>;
   const int64_t M16 = (M + 15) / 16 * 16, full = M / 16 * 16;
   const int64_t pairs = (n + 31) / 32, slices = K / 32;
@@ -248,9 +256,13 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
     // The last block's sums: its rows are rounded and written (finish) while the tile unit
     // works on the next block's products, and are all written before that block's are stored.
     alignas(64) float acc[32 * 32];
-    // amx_gemm_argmax: this thread's lanes (a buffer it keeps; 64 rows: 8 KB).
-    static thread_local ArgmaxLanes lanes;
-    if (argmax != nullptr) lanes.reset(M);
+    // amx_gemm_argmax: this thread's lanes (a buffer it keeps; 64 rows: 8 KB). A separate
+    // instantiation: amx_gemm's own loop is compiled as it was without it.
+    ArgmaxLanes* lanes = nullptr;
+    if constexpr (Argmax) {
+      lanes = &thread_argmax_lanes();
+      lanes->reset(M);
+    }
     struct Pending {
       int64_t r0 = 0, rows = 0, done = 0, c0 = 0, j = 0, cols = 0;
     } pending;
@@ -288,7 +300,7 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, gu[1])));
       }
       for (int64_t r = p.done; !silu && r < upto; ++r) {
-        c10::BFloat16* dst = argmax != nullptr ? nullptr : op + (p.r0 + r) * n + c0;
+        c10::BFloat16* dst = Argmax ? nullptr : op + (p.r0 + r) * n + c0;
         for (int64_t h = 0; h < p.cols; h += 16) {
           __m512 v = _mm512_load_ps(acc + r * 32 + h);
           if (bf != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bf + c0 + h));
@@ -298,8 +310,8 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
                                          reinterpret_cast<const __m256i*>(bh + c0 + h))),
                                      16)));
           const __m256bh b = _mm512_cvtneps_pbh(v);
-          if (argmax != nullptr)  // the output's value, compared instead of written
-            lanes.update(p.r0 + r, c0 + h, _mm512_cvtpbh_ps(b), argmax->n_valid);
+          if constexpr (Argmax)  // the output's value, compared instead of written
+            lanes->update(p.r0 + r, c0 + h, _mm512_cvtpbh_ps(b), argmax->n_valid);
           else
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + h), (__m256i)b);
         }
@@ -411,7 +423,7 @@ void amx_gemm_tiles(const c10::BFloat16* xp, const c10::BFloat16* tail, int64_t 
     }
     finish(pending, pending.rows);
     _tile_release();
-    if (argmax != nullptr) lanes.merge(M, *argmax);
+    if constexpr (Argmax) lanes->merge(M, *argmax);
   });
 }
 
@@ -586,7 +598,8 @@ bool check_amx_gemm(const char* name, const at::Tensor& x, const at::Tensor& pac
 
 #if KEEL_AMX
 // x @ W^T over any of the three copies into op [M, n] (or [M, n / 2] with silu_mul), or, with
-// `argmax`, each row's argmax into it instead. M > 0.
+// `argmax` (Argmax), each row's argmax into it instead. M > 0.
+template <bool Argmax>
 void run_amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                   const std::optional<at::Tensor>& bias, bool has_bias, bool silu_mul,
                   c10::BFloat16* op, ArgmaxSink* argmax) {
@@ -612,7 +625,8 @@ void run_amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   if (int4 || int8) {
     const auto* wq = static_cast<const uint8_t*>(packed.data_ptr());
     const int64_t tile_bytes = int4 ? kInt4Tile : kInt8Tile;
-    amx_gemm_tiles(xp, tail, M, K, n, bf, bh, op, false, silu_mul, kWidenChunk,
+    amx_gemm_tiles<1, c10::BFloat16, Argmax>(xp, tail, M, K, n, bf, bh, op, false, silu_mul,
+                                             kWidenChunk,
                    [&](int64_t j, int64_t s0, int64_t ns) {
       // Each worker thread's widened slices (the pool's threads live as long as the
       // process). Over-allocated by 64 bytes: the tiles start on a cache line.
@@ -628,7 +642,8 @@ void run_amx_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     }, 0, argmax);
   } else {
     const auto* wp = packed.data_ptr<c10::BFloat16>();
-    amx_gemm_tiles(xp, tail, M, K, n, bf, bh, op, true, silu_mul, slices,
+    amx_gemm_tiles<1, c10::BFloat16, Argmax>(xp, tail, M, K, n, bf, bh, op, true, silu_mul,
+                                             slices,
                    [&](int64_t j, int64_t s0, int64_t) { return wp + (j * slices + s0) * 1024; },
                    0, argmax);
   }
@@ -644,7 +659,8 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
   at::Tensor out = at::empty({M, silu_mul ? n / 2 : n}, x.options());
   if (M == 0) return out;
 #if KEEL_AMX
-  run_amx_gemm(x, packed, n, bias, has_bias, silu_mul, out.data_ptr<c10::BFloat16>(), nullptr);
+  run_amx_gemm<false>(x, packed, n, bias, has_bias, silu_mul, out.data_ptr<c10::BFloat16>(),
+                      nullptr);
 #endif
   return out;
 }
@@ -664,7 +680,7 @@ at::Tensor amx_gemm_argmax(at::Tensor x, at::Tensor packed, int64_t n, int64_t n
   sink.n_valid = n_valid;
   sink.value.assign(M, 0.f);
   sink.index.assign(M, -1);
-  run_amx_gemm(x, packed, n, bias, has_bias, false, nullptr, &sink);
+  run_amx_gemm<true>(x, packed, n, bias, has_bias, false, nullptr, &sink);
   std::memcpy(out.data_ptr<int64_t>(), sink.index.data(), M * sizeof(int64_t));
 #endif
   return out;

@@ -203,7 +203,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("w_max"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("silu_mul") = false);
   m.def("fp16_gemm_available", &fp16_gemm_available, "built with AVX512-FP16");
-  pybind11::class_<PlanLinear>(m, "PlanLinear", "one linear layer of a DecodePlan")
+  // The classes are module-local, so that two builds of these kernels (each its own module
+  // name) load side by side in one process: benchmarks/kernel_ab.py times one against the
+  // other there, alternating, where separate processes met different phases of a shared host.
+  pybind11::class_<PlanLinear>(m, "PlanLinear", "one linear layer of a DecodePlan",
+                               pybind11::module_local())
       .def(pybind11::init(&make_linear), pybind11::arg("q"), pybind11::arg("d"),
            pybind11::arg("m"), pybind11::arg("max_rows"), pybind11::arg("act_parts"),
            pybind11::arg("packed"), pybind11::arg("weight"), pybind11::arg("bias"),
@@ -230,7 +234,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "rows interleaved by 16 as amx_silu's, with fp16_bias, and a plain pass's columns "
            "put back by fp16_unorder)");
   pybind11::class_<PassAttention>(m, "PassAttention",
-                                  "the attention of a pass with prompt tokens (decode_layers.h)")
+                                  "the attention of a pass with prompt tokens (decode_layers.h)",
+                                  pybind11::module_local())
       .def(pybind11::init(&make_pass_attention), pybind11::arg("token_rows"),
            pybind11::arg("token_seq_lens"), pybind11::arg("long_chunks") = pybind11::none(),
            pybind11::arg("short_tokens") = pybind11::none(),
@@ -238,7 +243,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("short_seq_lens") = pybind11::none(), pybind11::arg("amx") = false,
            "(token_rows, token_seq_lens, long_chunks=None, short_tokens=None, "
            "short_rows=None, short_seq_lens=None, amx=False)");
-  pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a pass in one call")
+  pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a pass in one call",
+                               pybind11::module_local())
       .def(pybind11::init<>())
       .def("add_layer", &add_layer, "one Llama-family decoder layer's weights and cache")
       .def_property_readonly("num_layers", &DecodePlan::num_layers)

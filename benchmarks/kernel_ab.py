@@ -1,0 +1,134 @@
+"""Two builds of keel's CPU kernels timed against each other in one process, alternating.
+
+On the shared hosts keel is measured on, a process can meet a phase of the host 30-60% slower
+than the one before it, so a kernel change timed in one process and its predecessor in the
+next can read either way. Here both builds are loaded side by side (each is its own module,
+named by a digest of its sources: `~/.cache/torch_extensions/keel/keel_cpu_ops_<digest>`; the
+bindings' classes are module-local so that two load together) and each round runs one
+workload on A, then on B, then the next round in the other order; the report is each build's
+median, first quartile and best over the rounds, and B's median / A's.
+
+Build B first by importing keel from the other tree (it prints the folder's name), e.g.:
+
+    git worktree add /tmp/old HEAD~1
+    PYTHONPATH=/tmp/old .venv/bin/python -c "import keel.cpu_ops as c; print(c.get_cpu_ops())"
+    .venv/bin/python benchmarks/kernel_ab.py keel_cpu_ops_<new> keel_cpu_ops_<old> \\
+        --cases gemm head attention
+
+Cases, on the default model's shapes (bfloat16, 64 rows as a decode step of 64 requests):
+- `gemm`: a decode step's 120 decoder GEMMs on amx_gemm (each layer's own weight, 212 MB
+  streamed from memory as in a step; [gate; up] with SiLU in the epilogue).
+- `head`: the LM head, 64 x 49,152 x 576 from memory (a 256 MB sweep before each call, not
+  timed): amx_gemm then argmax_rows, and amx_gemm_argmax.
+- `attention`: paged_attention over 30 layers' bfloat16 caches, 64 rows x 364-864 keys.
+
+Builds older than the module-local bindings do not load beside another (pybind11 refuses a
+second "PlanLinear"); such a build can be made loadable by adding `pybind11::module_local()`
+to its three classes in bindings.cpp (its kernels' sources untouched).
+"""
+
+from __future__ import annotations
+
+import argparse
+from time import perf_counter
+
+import torch
+
+from keel.cpu_ops import _build_root, _import_built
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # qkv, o, gate_up, down
+
+
+def load(name: str):
+    module = _import_built(name, _build_root() / name)
+    if module is None:
+        raise SystemExit(f"No finished build named {name} in {_build_root()} (or it did not "
+                         "load beside the other: see this script's docstring).")
+    return module
+
+
+def gemm_case(ops_any, g):
+    bf = torch.bfloat16
+    tiles = [ops_any.amx_gemm_pack((torch.randn(n, k, generator=g) * 0.05).to(bf))
+             for n, k in SHAPES]
+    xs = {k: torch.randn(64, k, generator=g).to(bf) for k in (576, 1536)}
+
+    def run(ops):
+        for i, (n, k) in enumerate(SHAPES):
+            ops.amx_gemm(xs[k], tiles[i], n, None, i % 4 == 2)
+    return {"120 decode GEMMs (amx_gemm)": (run, None)}
+
+
+def head_case(ops_any, g):
+    bf = torch.bfloat16
+    tiles = ops_any.amx_gemm_pack((torch.randn(49152, 576, generator=g) * 0.05).to(bf))
+    x = torch.randn(64, 576, generator=g).to(bf)
+    sweep = torch.empty(256 << 20, dtype=torch.uint8)  # the head from memory, as in a step
+
+    def logits_then_argmax(ops):
+        ops.argmax_rows(ops.amx_gemm(x, tiles, 49152))
+
+    def fused(ops):
+        if hasattr(ops, "amx_gemm_argmax"):
+            ops.amx_gemm_argmax(x, tiles, 49152, 49152)
+        else:  # a build before it: what the step did then
+            ops.argmax_rows(ops.amx_gemm(x, tiles, 49152))
+
+    def from_memory():
+        sweep.add_(1)
+    return {"LM head, then argmax_rows": (logits_then_argmax, from_memory),
+            "LM head's argmax in its epilogue": (fused, from_memory)}
+
+
+def attention_case(ops_any, g):
+    heads, kv_heads, dim, block, rows = 9, 3, 64, 16, 64
+    lens = torch.randint(364, 864, (rows,), generator=g)
+    per = -(-864 // block)
+    table = torch.arange(rows * per, dtype=torch.int32).view(rows, per)
+    q = torch.randn(rows, heads, dim, generator=g).bfloat16()
+    caches = [tuple(torch.randn(rows * per, kv_heads, block, dim, generator=g).bfloat16()
+                    for _ in range(2)) for _ in range(30)]
+
+    def run(ops):
+        for k, v in caches:
+            ops.paged_attention(q, k, v, table, lens, None, dim ** -0.5, 0)
+    return {"decode attention, 30 layers (paged_attention)": (run, None)}
+
+
+CASES = {"gemm": gemm_case, "head": head_case, "attention": attention_case}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("a", help="build A's folder name (keel_cpu_ops_<digest>)")
+    ap.add_argument("b", help="build B's folder name")
+    ap.add_argument("--cases", nargs="+", default=["gemm", "head"], choices=sorted(CASES))
+    ap.add_argument("--rounds", type=int, default=30)
+    args = ap.parse_args()
+    builds = {"A": load(args.a), "B": load(args.b)}
+    print(f"# A = {args.a}, B = {args.b}; {args.rounds} rounds, alternating; ms")
+    g = torch.Generator().manual_seed(0)
+    for case in args.cases:
+        for label, (fn, before) in CASES[case](builds["A"], g).items():
+            for ops in builds.values():
+                fn(ops)  # warm-up
+            times = {k: [] for k in builds}
+            for r in range(args.rounds):
+                for k in (("A", "B") if r % 2 == 0 else ("B", "A")):
+                    if before is not None:  # untimed: e.g. caches swept
+                        before()
+                    t0 = perf_counter()
+                    fn(builds[k])
+                    times[k].append((perf_counter() - t0) * 1e3)
+            stats = {}
+            for k, ts in times.items():
+                ts.sort()
+                stats[k] = (ts[len(ts) // 2], ts[len(ts) // 4], ts[0])
+            print(f"{label}:")
+            for k, (med, q1, best) in stats.items():
+                print(f"  {k}: median {med:.2f}  q1 {q1:.2f}  best {best:.2f}")
+            print(f"  B / A (medians): {stats['B'][0] / stats['A'][0]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

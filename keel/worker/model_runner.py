@@ -33,7 +33,7 @@ from keel.trace.recorder import RunnerTrace
 from keel.worker.buffers import CpuGpuBuffer
 from keel.worker.grammar_bitmask import BatchGrammarBitmask
 from keel.worker.input_batch import CachedRequestState, InputBatch
-from keel.worker.sample_step import SampleTokensMixin, _greedy_lm_head_allowed
+from keel.worker.sample_step import SampleTokensMixin, greedy_lm_head_allowed
 from keel.worker.spec_decode import RunnerSpecDecode, calc_spec_decode_metadata
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class ModelRunner(SampleTokensMixin):
         self.num_scheduled_tokens_np = np.zeros(n_req, dtype=np.int32)
         self._prep_event = torch.cuda.Event() if device.type == "cuda" else None
         self._grammar_bitmask = BatchGrammarBitmask(self.max_num_reqs, device)
-        self._greedy_lm_head = _greedy_lm_head_allowed()  # sample_step.py
+        self._greedy_lm_head = greedy_lm_head_allowed()  # sample_step.py
         # Tracing (keel/trace/recorder.py): None when off, and then each hook is one check.
         self.trace = RunnerTrace() if config.trace_path else None
         mc = config.model_config

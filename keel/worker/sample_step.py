@@ -31,7 +31,7 @@ from keel.worker.prompt_logprobs import get_prompt_logprobs_dict
 from keel.worker.spec_decode import append_token_lists
 
 
-def _greedy_lm_head_allowed() -> bool:
+def greedy_lm_head_allowed() -> bool:
     mode = os.environ.get("KEEL_GREEDY_LM_HEAD", "1")
     if mode not in ("0", "1"):
         raise ValueError(f"KEEL_GREEDY_LM_HEAD must be 0 or 1, got {mode!r}.")

@@ -74,3 +74,9 @@ def test_a_step_with_logprobs_or_sampling_keeps_the_logits(hf_model_dir, monkeyp
         tokens, calls = generate(folder, monkeypatch, True, params)
         assert calls["head"] == 0 and calls["logits"] >= 12, calls
         assert tokens[:-1] == base[:-1]
+
+
+def test_a_bad_switch_is_named(hf_model_dir, monkeypatch):
+    monkeypatch.setenv("KEEL_GREEDY_LM_HEAD", "yes")
+    with pytest.raises(ValueError, match="KEEL_GREEDY_LM_HEAD must be 0 or 1"):
+        LLM(hf_model_dir("llama"), dtype="bfloat16", kv_cache_memory_gib=0.0625)

@@ -83,10 +83,11 @@ class ParallelLMHead(VocabParallelEmbedding):
                 self.amx_weight = copy
         self.q8_blocks = None
         # Else a bfloat16 head gets the AMX GEMM's bfloat16 copy where it is chosen (as the
-        # decoder's layers do). Its logits run at oneDNN's packed speed (56 MB more), but a
-        # greedy step then takes each row's token in the GEMM's epilogue without writing the
-        # logits (greedy_token_ids): 64 x 49152 x 576 from memory 3.6-4.5 ms against 4.1-5.9
-        # for oneDNN's logits and their argmax (BENCHMARKS.md, forty-ninth round).
+        # decoder's layers do; 56 MB more for the default model's). Its logits run at about
+        # oneDNN's packed speed, and a greedy step takes each row's token in the GEMM's
+        # epilogue without writing the logits (greedy_token_ids): 64 x 49152 x 576 from
+        # memory 3.34 ms against 3.60 for the logits and their argmax_rows
+        # (benchmarks/kernel_ab.py, BENCHMARKS.md forty-ninth round).
         pack_for_cpu_gemm(self, release_dense=not self.tied,
                           amx=self.amx_weight is None and self.tp_size == 1)
 

@@ -38,7 +38,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -154,8 +153,9 @@ constexpr int64_t kPanelRows = 128, kPanelRowsL1 = 512;
 // Each thread keeps, per row and per lane (column % 16), the best value and its column among
 // the columns it has seen: a thread claims its items in ascending order, so a row's columns
 // reach a lane in ascending order and only a strictly better value replaces the kept one.
-// When the thread is done, each row's lanes are reduced and merged into `best` under a lock,
-// by value and then by the lower index, which does not depend on the threads' order.
+// When the thread is done, each row's lanes are reduced and merged into the sink's (value,
+// index) under its lock, by value and then by the lower index: the result does not depend on
+// the order in which the threads finish.
 struct ArgmaxSink {
   int64_t n_valid = 0;
   std::vector<float> value;  // [M] the best so far over the threads merged

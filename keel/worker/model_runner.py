@@ -100,6 +100,8 @@ class ModelRunner(SampleTokensMixin):
 
     def load_model(self) -> None:
         self.model = load_model(self.config.model_config)
+        # A model whose LM head may take a greedy step's tokens itself (sample_step.py).
+        self._greedy_lm_head &= hasattr(self.model, "greedy_token_ids")
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc, cc = self.config.model_config, self.config.cache_config

@@ -45,7 +45,7 @@ class SampleTokensMixin:
         meta = self.input_batch.sampling_metadata
         return (spec_decode_metadata is None and meta.all_greedy and meta.no_processing
                 and meta.max_num_logprobs is None and not self.input_batch.structured_reqs
-                and self._greedy_lm_head and hasattr(self.model, "greedy_token_ids"))
+                and self._greedy_lm_head)
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, grammar_output: GrammarOutput) -> None:
         """Mask the logits of the constrained rows (keel/worker/grammar_bitmask.py)."""

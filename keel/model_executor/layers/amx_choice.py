@@ -79,18 +79,6 @@ def amx_gemm_chosen() -> bool:
     return _amx_gemm_faster
 
 
-def _forced_choice(name: str, off: str, on: str) -> bool | None:
-    """An env var that forces a choice measured at load: 0 -> False, 1 -> True, unset or empty
-    -> None (measure); any other value is an error naming the choices."""
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: expected 0 ({off}), 1 ({on}) or unset (measured "
-                         "at load)")
-    return value == "1"
-
-
 def amx_prompt_chosen(silu: bool) -> bool:
     """Whether passes of more than AMX_GEMM_MAX_ROWS rows (prompt chunks) also run on keel's
     AMX GEMM, over a layer's bfloat16 tile copy (never a widened int4 or int8 one), where it
@@ -139,7 +127,7 @@ def amx_f32_chosen() -> bool:
     2,048 (BENCHMARKS.md, thirty-eighth round). KEEL_AMX_F32=0 / 1 forces it."""
     global _amx_f32_faster
     if _amx_f32_faster is None:
-        forced = _forced_choice("KEEL_AMX_F32", "float32 GEMMs in float32 FMAs",
+        forced = gc.forced_choice("KEEL_AMX_F32", "float32 GEMMs in float32 FMAs",
                                 "on the AMX tiles")
         _amx_f32_faster = False
         from keel.cpu_ops import get_cpu_ops
@@ -166,7 +154,7 @@ def _amx_f32_measured_faster(ops: Any) -> bool:
 
 
 def _amx_prompt_forced() -> bool | None:
-    return _forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN", "on keel's AMX GEMM")
+    return gc.forced_choice("KEEL_AMX_PROMPT", "prompt chunks on oneDNN", "on keel's AMX GEMM")
 
 
 def _prompt_rows_chosen(rows: int, passes: str, silu: bool) -> bool:
@@ -276,7 +264,7 @@ def amx_compressed_copy_chosen(kind: str) -> bool:
     step's layers against the bfloat16 copy's 12.1, on another 16.4-17.4 against 12.0-12.2
     (BENCHMARKS.md, twentieth round). KEEL_AMX_COMPRESSED=0 / 1 skips the measurement."""
     if kind not in _compressed_faster:
-        forced = _forced_choice("KEEL_AMX_COMPRESSED", "the bfloat16 copy",
+        forced = gc.forced_choice("KEEL_AMX_COMPRESSED", "the bfloat16 copy",
                                 "the file's int4 / int8 blocks")
         if forced is not None:
             _compressed_faster[kind] = forced

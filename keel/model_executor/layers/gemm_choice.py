@@ -61,6 +61,18 @@ _PACK_BATCH_HINT = 64
 _GEMM_MODES = ("auto", "keel", "onednn", "torch")
 
 
+def forced_choice(name: str, off: str, on: str) -> bool | None:
+    """An env var that forces a choice measured at load: 0 -> False, 1 -> True, unset or empty
+    -> None (measure); any other value is an error naming the choices."""
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 0 ({off}), 1 ({on}) or unset (measured "
+                         "at load)")
+    return value == "1"
+
+
 def _gemm_mode() -> str:
     mode = os.environ.get("KEEL_CPU_GEMM", "auto")
     if mode not in _GEMM_MODES:
@@ -131,9 +143,8 @@ def fp16_gemm_chosen() -> bool:
     if not _float16_allowed or _gemm_mode() != "auto":
         return False
     from keel.cpu_ops import get_cpu_ops
-    from keel.model_executor.layers.amx_choice import _forced_choice
 
-    forced = _forced_choice("KEEL_FP16_GEMM", "float32 GEMMs", "float16 FMAs")
+    forced = forced_choice("KEEL_FP16_GEMM", "float32 GEMMs", "float16 FMAs")
     if forced is False:
         return False
     ops = get_cpu_ops()

@@ -145,9 +145,7 @@ def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
             and x.dim() == 2 and x.dtype == torch.float32):
         return choice._keel_ops.amx_gemm_f32(x, amx, module.packed_rows,
                                              None if bias is None else bias.float())
-    if (amx is not None and not getattr(module, "amx_silu", False) and x.dim() == 2
-            and x.dtype == torch.bfloat16
-            and amx_choice.amx_takes(amx, x.shape[0], silu=False)):
+    if _amx_bf16_pass(module, x):
         return choice._keel_ops.amx_gemm(x, amx, module.packed_rows, bias)
     if module.packed_by == "keel":
         out = choice._keel_ops.gemm(x.float(), module.packed_weight, module.packed_rows,
@@ -164,12 +162,18 @@ def cpu_gemm_argmax(module: nn.Module, x: torch.Tensor, n_valid: int) -> torch.T
     """Each row's argmax over columns [0, n_valid) of cpu_gemm(module, x, None), without its
     output, where cpu_gemm would take keel's AMX GEMM (amx_gemm_argmax: the same bfloat16
     values compared as torch's argmax compares them, so the same indices); None elsewhere."""
-    amx = getattr(module, "amx_weight", None)
-    if (module.packed_by == "fp16" or amx is None or getattr(module, "amx_silu", False)
-            or x.dim() != 2 or x.dtype != torch.bfloat16
-            or not amx_choice.amx_takes(amx, x.shape[0], silu=False)):
+    if module.packed_by == "fp16" or not _amx_bf16_pass(module, x):
         return None
-    return choice._keel_ops.amx_gemm_argmax(x, amx, module.packed_rows, n_valid)
+    return choice._keel_ops.amx_gemm_argmax(x, module.amx_weight, module.packed_rows, n_valid)
+
+
+def _amx_bf16_pass(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether cpu_gemm runs this bfloat16 pass on keel's AMX GEMM (amx_gemm) over the
+    module's tile copy (a plain copy: not a [gate; up] one interleaved for SiLU)."""
+    amx = getattr(module, "amx_weight", None)
+    return (amx is not None and not getattr(module, "amx_silu", False) and x.dim() == 2
+            and x.dtype == torch.bfloat16
+            and amx_choice.amx_takes(amx, x.shape[0], silu=False))
 
 
 def _fp16_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -215,7 +215,7 @@ def test_float16_gemms_with_tensor_parallelism(hf_model_dir, monkeypatch):
         llm = LLM(folder, dtype="auto", tensor_parallel_size=tp, kv_cache_memory_gib=0.0625)
         assert llm.config.model_config.float16_gemms
         packed = llm.engine_core.model_executor.collective_rpc(
-            lambda worker: sorted({(m.packed_by, m.fp16_silu) for m in
+            lambda worker: sorted({(m.packed_by, getattr(m, "fp16_silu", False)) for m in
                                    worker.model_runner.model.modules() if
                                    getattr(m, "packed_by", "")}))
         outs = llm.generate(PROMPTS[:2], sp, use_tqdm=False)

@@ -196,8 +196,9 @@ def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
                                                                amx_choice._amx_long_faster),
              "plain ones": prompt_passes(amx_choice._amx_plain_prompt_faster,
                                          amx_choice._amx_plain_long_faster),
-             "GEMMs under auto": named(gemm_choice._fp16_gemm_faster, "float16 FMAs",
-                                       "float32")}
+             "GEMMs under auto": named(gemm_choice._fp16_gemm_faster,
+                                       {"fp16": "float16 FMAs", "i16": "int16 dot products"}.get(
+                                           gemm_choice.low_precision_kind(), "-"), "float32")}
     return engine, {"startup_s": startup, "dtype": dtype, "kv_dtype": kv_dtype, "gemms": gemms}
 
 
@@ -263,7 +264,7 @@ def memory_floor(model, prompts: list[list[int]], dtype, read_gbs: float, kv_dty
             amx = getattr(m, "amx_weight", None)
             n_out = m.output_size if isinstance(m, LinearBase) else model.config.vocab_size
             n_in = m.input_size if isinstance(m, LinearBase) else model.config.hidden_size
-            if amx is None and getattr(m, "packed_by", "") == "fp16":
+            if amx is None and getattr(m, "packed_by", "") in ("fp16", "i16"):
                 amx = m.packed_weight
             weight += (amx.numel() * amx.element_size() if amx is not None
                        else n_out * n_in * torch.empty(0, dtype=dtype).element_size())
@@ -315,7 +316,8 @@ def gemm_floor(model, rows: int, dtype) -> dict:
     candidates include csrc/amx_gemm.cpp's amx_gemm_f32. A model whose layers dtype="auto"
     put on float16 FMAs (packed_by "fp16": a float32 model on a CPU with AVX512-FP16 and no
     AMX) is computed in float16 arithmetic, and its candidates include csrc/fp16_gemm.cpp's
-    fp16_gemm."""
+    fp16_gemm; one put on int16 dot products (packed_by "i16": the same without AVX512-FP16,
+    with AVX512-VNNI) likewise csrc/i16_gemm.cpp's i16_gemm."""
     import torch
 
     from keel.cpu_ops import get_cpu_ops
@@ -338,6 +340,7 @@ def gemm_floor(model, rows: int, dtype) -> dict:
         shapes[(model.config.vocab_size, model.config.hidden_size)] = 1
     bf16_values = dtype == torch.float32 and bool(linears) and all(m.amx_f32 for m in linears)
     on_fp16 = bool(linears) and all(m.packed_by == "fp16" for m in linears)
+    on_i16 = bool(linears) and all(m.packed_by == "i16" for m in linears)
     lower = torch.bfloat16 if bf16_values else dtype  # the other precision it may run in
     precisions = [torch.float32] if lower == torch.float32 else [torch.float32, lower]
     total_flops, floor_s, per_shape = 0, 0.0, {}
@@ -361,6 +364,10 @@ def gemm_floor(model, rows: int, dtype) -> dict:
                 fp16_packed, w_max = ops.fp16_gemm_pack(w)
                 candidates.append(lambda p=fp16_packed, x=x, n=n_out, m=w_max:
                                   ops.fp16_gemm(x, p, n, m))
+            if ops is not None and dt == torch.float32 and on_i16:
+                i16_packed, scales = ops.i16_gemm_pack(w)
+                candidates.append(lambda p=i16_packed, x=x, n=n_out, s=scales:
+                                  ops.i16_gemm(x, p, s, n))
             if (ops is not None and dt == torch.float32 and bf16_values and n_out % 16 == 0
                     and n_in % 32 == 0 and ops.amx_gemm_available()):
                 tiles = ops.amx_gemm_pack(w.bfloat16())

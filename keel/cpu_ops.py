@@ -21,6 +21,10 @@
   float32 x @ W^T on float16 FMAs (silu(gate) * up in its epilogue where asked), for CPUs
   with AVX512-FP16 and no AMX tiles: dtype="auto" runs a float32 model's GEMMs on it there
   (layers/gemm_choice.py fp16_gemm_chosen).
+- `i16_gemm_pack`, `i16_gemm` (csrc/i16_gemm.cpp, AVX512-VNNI; `i16_gemm_available()`):
+  float32 x @ W^T on int16 dot products, x and W scaled per block of 64 values of k, for
+  CPUs with AVX512-VNNI and neither AMX tiles nor AVX512-FP16. Not yet taken by the engine
+  (BENCHMARKS.md, fiftieth round).
 - `DecodePlan` (csrc/decode_layers.cpp): a Llama-family model's decoder layers for a pass of
   decode rows, in one call: the kernels above and the layers' GEMMs (oneDNN through the
   dispatcher, or the quantized kernels) in the Python layers' order, without the
@@ -53,7 +57,7 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp",
             "prefill_attention_amx.cpp", "fused_ops.cpp",
             "quant_gemm.cpp", "quant_gemm_q8.cpp", "decode_layers.cpp", "gemm.cpp",
-            "amx_gemm.cpp", "fp16_gemm.cpp")
+            "amx_gemm.cpp", "fp16_gemm.cpp", "i16_gemm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _MARCH_ENV = "KEEL_CPU_MARCH"
 _module: Any = None

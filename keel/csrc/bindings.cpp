@@ -21,9 +21,13 @@ PlanLinear make_linear(std::optional<at::Tensor> q, std::optional<at::Tensor> d,
                        std::optional<at::Tensor> amx_bias, std::optional<at::Tensor> fp16,
                        int64_t fp16_n, double fp16_w_max, bool fp16_silu,
                        std::optional<at::Tensor> fp16_bias,
-                       std::optional<at::Tensor> fp16_unorder) {
+                       std::optional<at::Tensor> fp16_unorder,
+                       std::optional<at::Tensor> i16_scales) {
   PlanLinear lin;
   lin.fp16 = fp16.value_or(at::Tensor());
+  lin.i16_scales = i16_scales.value_or(at::Tensor());
+  TORCH_CHECK(!lin.i16_scales.defined() || lin.fp16.defined(),
+              "PlanLinear: i16_scales come with the int16 panels in `fp16`");
   lin.fp16_n = fp16_n;
   lin.fp16_w_max = fp16_w_max;
   lin.fp16_silu = lin.fp16.defined() && fp16_silu;
@@ -203,6 +207,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("w_max"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("silu_mul") = false);
   m.def("fp16_gemm_available", &fp16_gemm_available, "built with AVX512-FP16");
+  m.def("i16_gemm_pack", &i16_gemm_pack,
+        "W [N, K] (float32 / bfloat16) in i16_gemm's int16 panels, and their per-block scales");
+  m.def("i16_gemm", &i16_gemm,
+        "x @ W^T (+ bias) on int16 dot products, float32 in and out (silu_mul as fp16_gemm's)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"), pybind11::arg("n"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("silu_mul") = false);
+  m.def("i16_gemm_available", &i16_gemm_available, "built with AVX512-VNNI");
   // The classes are module-local, so that two builds of these kernels (each its own module
   // name) load side by side in one process: benchmarks/kernel_ab.py times one against the
   // other there, alternating, where separate processes met different phases of a shared host.
@@ -219,10 +230,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("fp16_w_max") = 0.0,
            pybind11::arg("fp16_silu") = false, pybind11::arg("fp16_bias") = pybind11::none(),
            pybind11::arg("fp16_unorder") = pybind11::none(),
+           pybind11::arg("i16_scales") = pybind11::none(),
            "(q, d, m, max_rows, act_parts, packed, weight, bias, w8a8=None, gemm_rows=0, "
            "float32_compute=False, amx=None, amx_rows=0, amx_n=0, amx_silu=False, "
            "amx_bias=None, fp16=None, fp16_n=0, fp16_w_max=0, fp16_silu=False, fp16_bias=None, "
-           "fp16_unorder=None): the quantized form (used "
+           "fp16_unorder=None, i16_scales=None (then `fp16` holds i16_gemm's panels)): the "
+           "quantized form (used "
            "up to max_rows rows; 0: none), "
            "the packed weight (oneDNN's, or keel's gemm_pack panels of a weight with gemm_rows "
            "output rows; a bfloat16 pass over it computed in float32 where float32_compute or "

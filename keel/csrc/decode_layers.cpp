@@ -173,11 +173,10 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
     out = converted(out, x.scalar_type());
     return bias.defined() ? out.add_(bias) : out;
   }
-  if (fp16.defined()) {  // fp16_gemm, in float32 (layers/packed_weights.py cpu_gemm)
+  if (fp16.defined()) {  // fp16_gemm or i16_gemm, in float32 (packed_weights.py cpu_gemm)
     const at::Tensor xf = x.to(at::kFloat);
     const at::Tensor& b = fp16_silu ? fp16_bias : bias;
-    at::Tensor out = fp16_gemm(xf, fp16, fp16_n, fp16_w_max,
-                               b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+    at::Tensor out = low_gemm(xf, b, false);
     if (fp16_silu) out = out.index_select(1, fp16_unorder);  // back in [gate; up] order
     return out.to(x.scalar_type());
   }
@@ -200,6 +199,13 @@ at::Tensor PlanLinear::operator()(const at::Tensor& x) const {
   return upcast ? out.to(x.scalar_type()) : out;
 }
 
+at::Tensor PlanLinear::low_gemm(const at::Tensor& x, const at::Tensor& b, bool silu) const {
+  const std::optional<at::Tensor> bias_opt =
+      b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
+  return i16_scales.defined() ? i16_gemm(x, fp16, i16_scales, fp16_n, bias_opt, silu)
+                              : fp16_gemm(x, fp16, fp16_n, fp16_w_max, bias_opt, silu);
+}
+
 at::Tensor PlanLinear::silu_mul(const at::Tensor& x) const {
   // The AMX GEMM with silu in its epilogue, as the Python layer's gemm_silu takes it.
   if (amx_silu && amx_rows > 0 && x.size(0) <= amx_rows && x.scalar_type() == at::kBFloat16 &&
@@ -212,11 +218,9 @@ at::Tensor PlanLinear::silu_mul(const at::Tensor& x) const {
     return amx_gemm_f32(x, amx, amx_n,
                         amx_bias.defined() ? std::optional<at::Tensor>(amx_bias) : std::nullopt,
                         true);
-  // fp16_gemm with silu in its epilogue, as the Python layer's gemm_silu takes it.
+  // fp16_gemm or i16_gemm with silu in its epilogue, as the Python layer's gemm_silu takes it.
   if (fp16_silu && x.scalar_type() == at::kFloat && !(max_rows > 0 && x.size(0) <= max_rows))
-    return fp16_gemm(x, fp16, fp16_n, fp16_w_max,
-                     fp16_bias.defined() ? std::optional<at::Tensor>(fp16_bias) : std::nullopt,
-                     true);
+    return low_gemm(x, fp16_bias, true);
   // keel's panels in float32, as the Python layer's gemm_silu (layers/linear.py) chooses it.
   if (w8a8.isNone() && !(max_rows > 0 && x.size(0) <= max_rows) && gemm_rows > 0 &&
       gemm_rows % 32 == 0 && x.scalar_type() == at::kFloat)

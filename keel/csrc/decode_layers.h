@@ -45,11 +45,15 @@ struct PlanLinear {
   // layers/packed_weights.py cpu_gemm takes it. fp16_silu: the rows are a [gate; up] layer's
   // interleaved by 16 (fp16_bias alike): silu_mul takes them in the epilogue, and a plain pass
   // puts its columns back in [gate; up] order by fp16_unorder.
+  // With `i16_scales` defined, `fp16` is i16_gemm_pack's int16 panels instead (and these
+  // their blocks' scales): i16_gemm takes the passes, as packed_by "i16" in Python.
   at::Tensor fp16;
   double fp16_w_max = 0;
   int64_t fp16_n = 0;
   bool fp16_silu = false;
-  at::Tensor fp16_bias, fp16_unorder;
+  at::Tensor fp16_bias, fp16_unorder, i16_scales;
+  // fp16_gemm or i16_gemm over `fp16`, float32 x.
+  at::Tensor low_gemm(const at::Tensor& x, const at::Tensor& b, bool silu) const;
   at::Tensor operator()(const at::Tensor& x) const;
   // silu(gate) * up of a merged [gate; up] layer: in keel's GEMM epilogue where it applies.
   at::Tensor silu_mul(const at::Tensor& x) const;

@@ -251,7 +251,8 @@ def test_float16_gemms_stay_close_to_transformers(hf_model_dir, monkeypatch):
                 err = max(err, abs(lps[t].logprob - ref[i, t].item()))
         errors[dtype] = err
         del llm
-    fp16 = get_cpu_ops().fp16_gemm_available()
-    assert packed_by["auto"] == ({"fp16"} if fp16 else packed_by["auto"] - {"fp16"})
+    ops = get_cpu_ops()
+    low = "fp16" if ops.fp16_gemm_available() else "i16" if ops.i16_gemm_available() else None
+    assert packed_by["auto"] == ({low} if low else packed_by["auto"] - {"fp16", "i16"})
     assert errors["auto"] < 0.12, errors
     assert errors["auto"] < 0.5 * errors["bfloat16"], errors

@@ -69,11 +69,12 @@ def _plan_linear(ops: Any, linear: Any, dtype: torch.dtype) -> Any:
             return None
         max_rows = w.max_rows if linear.has_dense() else ALL_ROWS
     weight = linear.weight if linear.weight.numel() else None
-    if linear.packed_by == "fp16":  # fp16_gemm, as packed_weights.cpu_gemm takes it
+    if linear.packed_by in ("fp16", "i16"):  # as packed_weights.cpu_gemm takes them
         return ops.PlanLinear(q, d, m, max_rows, quantization.ACTIVATION_PARTS, None, weight,
                               linear.bias, fp16=linear.packed_weight, fp16_n=linear.packed_rows,
                               fp16_w_max=linear.fp16_w_max, fp16_silu=linear.fp16_silu,
-                              fp16_bias=linear.fp16_bias, fp16_unorder=linear.fp16_unorder)
+                              fp16_bias=linear.fp16_bias, fp16_unorder=linear.fp16_unorder,
+                              i16_scales=linear.i16_scales)
     # A bfloat16 model's AMX copy takes the passes amx_max_rows allows for the layer's kind
     # (its SiLU epilogue or plain passes); a float32 layer's (amx_f32: bfloat16 values) every
     # float32 pass, on amx_gemm_f32.

@@ -116,7 +116,7 @@ _keel_gemm_faster: bool | None = None  # chosen once per process
 # (BENCHMARKS.md, forty-fourth round).
 OWN_KERNEL_MARGIN = 1.15
 _CHOICE_ROUNDS = 5
-_keel_ops: Any = None  # keel's kernels, once keel_gemm_chosen() or fp16_gemm_chosen() found them
+_keel_ops: Any = None  # keel's kernels, once keel_gemm_chosen() or low_precision_kind() found them
 _float16_allowed = False  # within float16_gemms(True): the model being packed allows them
 _fp16_gemm_faster: bool | None = None  # measured once per process
 
@@ -133,34 +133,56 @@ def float16_gemms(allowed: bool) -> Iterator[None]:
         _float16_allowed = before
 
 
-def fp16_gemm_chosen() -> bool:
-    """Whether a float32 weight packed now goes to fp16_gemm (csrc/fp16_gemm.cpp): inside
-    float16_gemms(True), under KEEL_CPU_GEMM=auto, with keel's kernels built for AVX512-FP16,
-    and where it measured faster than the float32 GEMM chosen (keel's or oneDNN's) at a
-    decode shape (once per process; each tensor-parallel rank measures in its own).
-    KEEL_FP16_GEMM=0 / 1 forces it (where the kernels are built for AVX512-FP16)."""
-    global _fp16_gemm_faster, _keel_ops
-    if not _float16_allowed or _gemm_mode() != "auto":
-        return False
+# The GEMMs dtype="auto" may put a float32 model's weights on (packed_by): float16 FMAs where
+# the CPU has AVX512-FP16, else int16 dot products where it has AVX512-VNNI.
+LOW_PRECISION_KINDS = ("fp16", "i16")
+_LOW_NAMES = {"fp16": "float16 FMAs (keel's fp16_gemm)",
+              "i16": "int16 dot products (keel's i16_gemm)"}
+
+
+def low_precision_kind() -> str | None:
+    """The reduced-precision GEMM this build has for float32 weights: "fp16" (AVX512-FP16),
+    else "i16" (AVX512-VNNI), else None."""
+    global _keel_ops
     from keel.cpu_ops import get_cpu_ops
 
-    forced = forced_choice("KEEL_FP16_GEMM", "float32 GEMMs", "float16 FMAs")
-    if forced is False:
-        return False
     ops = get_cpu_ops()
-    if ops is None or not ops.fp16_gemm_available():
-        return False
-    _keel_ops = ops
+    if ops is None:
+        return None
+    kind = ("fp16" if ops.fp16_gemm_available() else "i16" if ops.i16_gemm_available()
+            else None)
+    if kind is not None:
+        _keel_ops = ops
+    return kind
+
+
+def fp16_gemm_chosen() -> str | None:
+    """The GEMM a float32 weight packed now goes to instead of the float32 one, or None:
+    fp16_gemm (csrc/fp16_gemm.cpp) where keel's kernels are built for AVX512-FP16, else
+    i16_gemm (csrc/i16_gemm.cpp) where they are built for AVX512-VNNI (low_precision_kind);
+    inside float16_gemms(True), under KEEL_CPU_GEMM=auto, and where it measured faster than
+    the float32 GEMM chosen (keel's or oneDNN's) at a decode shape (once per process; each
+    tensor-parallel rank measures in its own). KEEL_FP16_GEMM=0 / 1 forces it (where the
+    kernels have one of the two)."""
+    global _fp16_gemm_faster
+    if not _float16_allowed or _gemm_mode() != "auto":
+        return None
+    forced = forced_choice("KEEL_FP16_GEMM", "float32 GEMMs",
+                           "float16 FMAs or int16 dot products")
+    if forced is False:
+        return None
+    kind = low_precision_kind()
+    if kind is None:
+        return None
     if forced:
-        return True
+        return kind
     if _fp16_gemm_faster is None:
         float32 = "keel" if keel_gemm_chosen() else "onednn"
-        _fp16_gemm_faster = _first_faster((torch.float32, "fp16"), (torch.float32, float32),
+        _fp16_gemm_faster = _first_faster((torch.float32, kind), (torch.float32, float32),
                                           _CHOICE_ROUNDS)
         logger.info("dtype='auto': float32 GEMMs run on %s (measured on this CPU)",
-                    "float16 FMAs (keel's fp16_gemm)" if _fp16_gemm_faster
-                    else f"{float32}'s float32 GEMM")
-    return _fp16_gemm_faster
+                    _LOW_NAMES[kind] if _fp16_gemm_faster else f"{float32}'s float32 GEMM")
+    return kind if _fp16_gemm_faster else None
 
 
 def bf16_gemm_in_float32(weight: torch.Tensor) -> bool:
@@ -242,6 +264,9 @@ def _time_packed_gemm(dtype: torch.dtype, kernel: str = "onednn", rows: int = 64
     elif kernel == "fp16":  # called by fp16_gemm_chosen(), likewise
         packed, w_max = _keel_ops.fp16_gemm_pack(w)
         fn = lambda: _keel_ops.fp16_gemm(x, packed, n, w_max)
+    elif kernel == "i16":  # likewise
+        packed, scales = _keel_ops.i16_gemm_pack(w)
+        fn = lambda: _keel_ops.i16_gemm(x, packed, scales, n)
     elif kernel == "amx":  # called by amx_choice.amx_gemm_chosen(), likewise
         packed = _keel_ops.amx_gemm_pack(w)
         fn = lambda: _keel_ops.amx_gemm(x, packed, n)

@@ -88,10 +88,12 @@ class LinearBase(nn.Module):
         self.amx_bias: torch.Tensor | None = None
         # The copy is for float32 passes (amx_gemm_f32: a float32 layer of bfloat16 values).
         self.amx_f32 = False
-        # packed_by "fp16" (packed_weights._fp16_pack): the weight's largest |W|, and for a
-        # [gate; up] layer its rows interleaved by 16 as the AMX copy's (fp16_silu, with its
-        # bias alike and the inverse order for a plain pass's columns).
+        # packed_by "fp16" or "i16" (packed_weights._fp16_pack): the weight's largest |W|
+        # (fp16) or its blocks' scales (i16), and for a [gate; up] layer its rows interleaved
+        # by 16 as the AMX copy's (fp16_silu, with its bias alike and the inverse order for a
+        # plain pass's columns).
         self.fp16_w_max = 0.0
+        self.i16_scales: torch.Tensor | None = None
         self.fp16_silu = False
         self.fp16_bias: torch.Tensor | None = None
         self.fp16_unorder: torch.Tensor | None = None
@@ -158,7 +160,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         (csrc/gemm.cpp gemm_silu, or a bfloat16 pass that the AMX GEMM takes (amx_takes) on
         its interleaved copy: the [T, 2I] product is never written out), or None where
         that path does not apply: another GEMM, a quantized pass, or widths that are not
-        multiples of 16. On fp16_gemm (packed_by "fp16") an interleaved layer's float32
+        multiples of 16. On fp16_gemm or i16_gemm (packed_by "fp16" / "i16") an interleaved
+        layer's float32
         passes take silu in its epilogue likewise. `dense_only`: the dense weight's path even
         where the pass would go to the quantized kernel (rows_per_pass.choose_rows_per_pass
         times the two)."""

@@ -41,21 +41,29 @@ def _amx_copy(module: nn.Module, w: torch.Tensor, order: torch.Tensor | None) ->
     return choice._keel_ops.amx_gemm_pack(w.contiguous())
 
 
-def _fp16_pack(module: nn.Module, w: torch.Tensor) -> bool:
-    """Pack the float32 weight `w` for fp16_gemm (packed_by "fp16", its largest |W| in
-    `fp16_w_max`); False where float16 cannot hold its values (it then stays float32). A
-    [gate; up] layer that only feeds silu_and_mul gets its rows interleaved by 16 (`fp16_silu`,
-    its bias alike in `fp16_bias`): gemm_silu takes silu in the epilogue, and a plain pass puts
-    its columns back by `fp16_unorder`."""
+def _fp16_pack(module: nn.Module, w: torch.Tensor, kind: str) -> bool:
+    """Pack the float32 weight `w` for the reduced-precision GEMM `kind`
+    (gemm_choice.fp16_gemm_chosen): fp16_gemm (packed_by "fp16", its largest |W| in
+    `fp16_w_max`) or i16_gemm (packed_by "i16", its blocks' scales in `i16_scales`); False
+    where the kernel cannot hold its values (it then stays float32). A [gate; up] layer that
+    only feeds silu_and_mul gets its rows interleaved by 16 (`fp16_silu`, its bias alike in
+    `fp16_bias`): gemm_silu takes silu in the epilogue, and a plain pass puts its columns back
+    by `fp16_unorder`."""
     n = w.shape[0]
     pairs = getattr(module, "silu_pairs", False) and n % 32 == 0
     order = choice.silu_pair_order(n) if pairs else None
+    pack = (choice._keel_ops.fp16_gemm_pack if kind == "fp16"
+            else choice._keel_ops.i16_gemm_pack)
     try:
-        packed, w_max = choice._keel_ops.fp16_gemm_pack(w if order is None else w[order])
-    except RuntimeError as e:  # a value beyond float16's range
+        packed, extra = pack(w if order is None else w[order])
+    except RuntimeError as e:  # a value beyond float16's range, or not finite
         logger.warning("A [%d, %d] weight stays on the float32 GEMM: %s", *w.shape, e)
         return False
-    module.packed_weight, module.packed_by, module.fp16_w_max = packed, "fp16", w_max
+    module.packed_weight, module.packed_by = packed, kind
+    if kind == "fp16":
+        module.fp16_w_max = extra
+    else:
+        module.i16_scales = extra
     module.fp16_silu = pairs
     module.fp16_bias = (module.bias.detach()[order].float().contiguous()
                         if pairs and module.bias is not None else None)
@@ -65,8 +73,8 @@ def _fp16_pack(module: nn.Module, w: torch.Tensor) -> bool:
 
 def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool = True) -> None:
     """Pack `module.weight` into `module.packed_weight` for the GEMM chosen for it
-    (`module.packed_by`: "fp16" for a float32 weight on float16 FMAs where dtype="auto"
-    allows them (_fp16_pack), "keel", "onednn", or "onednn-upcast" for a bfloat16 weight given
+    (`module.packed_by`: "fp16" or "i16" for a float32 weight on float16 FMAs or int16 dot
+    products where dtype="auto" allows them (_fp16_pack), "keel", "onednn", or "onednn-upcast" for a bfloat16 weight given
     to oneDNN as its float32 upcast), and (unless told to keep it) release the dense copy, as
     vLLM's CPU backend does. Nothing is packed where neither GEMM takes the weight. `amx`:
     whether a bfloat16 weight may also get the AMX GEMM's copy; a float32 weight of bfloat16
@@ -75,9 +83,10 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
         return
     w = module.weight
     in_float32 = choice.bf16_gemm_in_float32(w)
-    if w.dtype == torch.float32 and w.device.type == "cpu" and choice.fp16_gemm_chosen() \
-            and _fp16_pack(module, w.detach()):
-        pass  # packed for fp16_gemm (dtype="auto" on a CPU with AVX512-FP16 and no AMX)
+    low = (choice.fp16_gemm_chosen() if w.dtype == torch.float32 and w.device.type == "cpu"
+           else None)
+    if low is not None and _fp16_pack(module, w.detach(), low):
+        pass  # packed for fp16_gemm or i16_gemm (dtype="auto" on an AVX-512 CPU without AMX)
     elif (w.dtype == torch.float32 or in_float32) and w.device.type == "cpu" \
             and choice.keel_gemm_chosen():
         module.packed_weight, module.packed_by = choice._keel_ops.gemm_pack(w.detach()), "keel"
@@ -96,7 +105,7 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
         return
     module.packed_rows = w.shape[0]
     # The LM head's too (amx=False is for bfloat16 copies); not beside fp16_gemm's panels.
-    if w.dtype == torch.float32 and module.packed_by != "fp16":
+    if w.dtype == torch.float32 and module.packed_by not in choice.LOW_PRECISION_KINDS:
         _amx_f32_copy(module, w.detach())
     if release_dense:
         module.weight = nn.Parameter(w.new_empty(0), False)
@@ -138,7 +147,7 @@ def _amx_f32_copy(module: nn.Module, w: torch.Tensor) -> None:
 def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ packed weight (+ bias); in float32 for a bfloat16 weight computed in float32,
     rounded back."""
-    if module.packed_by == "fp16":
+    if module.packed_by in choice.LOW_PRECISION_KINDS:
         return _fp16_gemm(module, x, bias)
     amx = getattr(module, "amx_weight", None)
     if (amx is not None and getattr(module, "amx_f32", False) and not module.amx_silu
@@ -162,7 +171,7 @@ def cpu_gemm_argmax(module: nn.Module, x: torch.Tensor, n_valid: int) -> torch.T
     """Each row's argmax over columns [0, n_valid) of cpu_gemm(module, x, None), without its
     output, where cpu_gemm would take keel's AMX GEMM (amx_gemm_argmax: the same bfloat16
     values compared as torch's argmax compares them, so the same indices); None elsewhere."""
-    if module.packed_by == "fp16" or not _amx_bf16_pass(module, x):
+    if module.packed_by in choice.LOW_PRECISION_KINDS or not _amx_bf16_pass(module, x):
         return None
     return choice._keel_ops.amx_gemm_argmax(x, module.amx_weight, module.packed_rows, n_valid)
 
@@ -176,19 +185,29 @@ def _amx_bf16_pass(module: nn.Module, x: torch.Tensor) -> bool:
             and amx_choice.amx_takes(amx, x.shape[0], silu=False))
 
 
+def _low_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              silu_mul: bool = False) -> torch.Tensor:
+    """fp16_gemm or i16_gemm over the module's packed weight (packed_by), float32 x."""
+    ops = choice._keel_ops
+    if module.packed_by == "fp16":
+        return ops.fp16_gemm(x, module.packed_weight, module.packed_rows, module.fp16_w_max,
+                             bias, silu_mul)
+    return ops.i16_gemm(x, module.packed_weight, module.i16_scales, module.packed_rows, bias,
+                        silu_mul)
+
+
 def _fp16_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """cpu_gemm on fp16_gemm (float32 in and out); an interleaved [gate; up] layer's columns
-    put back in order."""
+    """cpu_gemm on fp16_gemm or i16_gemm (float32 in and out); an interleaved [gate; up]
+    layer's columns put back in order."""
     if module.fp16_silu and bias is not None:
         bias = module.fp16_bias
-    out = choice._keel_ops.fp16_gemm(x.float(), module.packed_weight, module.packed_rows,
-                                     module.fp16_w_max, None if bias is None else bias.float())
+    out = _low_gemm(module, x.float(), None if bias is None else bias.float())
     if module.fp16_silu:
         out = out.index_select(1, module.fp16_unorder)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def fp16_gemm_silu(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of an interleaved [gate; up] layer on fp16_gemm (float32 x)."""
-    return choice._keel_ops.fp16_gemm(x, module.packed_weight, module.packed_rows,
-                                      module.fp16_w_max, module.fp16_bias, True)
+    """silu(gate) * up of an interleaved [gate; up] layer on fp16_gemm or i16_gemm (float32
+    x)."""
+    return _low_gemm(module, x, module.fp16_bias, True)

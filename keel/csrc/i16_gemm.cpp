@@ -1,0 +1,369 @@
+// A GEMM on AVX512-VNNI's int16 dot products, for CPUs that have them and neither AMX tiles
+// nor AVX512-FP16 (an AVX-512 Xeon whose newer units the hypervisor hides; the fiftieth round
+// of BENCHMARKS.md ran on one): out [M, N] = x [M, K] @ W^T (+ bias) in float32, with x and W
+// as int16 values scaled per block of kBlock values of k, the products of a block summed
+// exactly in int32, and the blocks' sums scaled and summed in float32.
+//
+//   i16_gemm_pack(W [N, K] float32 or bfloat16) -> (packed int16 [ceil(N/16), ceil(K/2), 32],
+//                                                   scales float32 [ceil(N/16), blocks, 16])
+//   i16_gemm(x [M, K] float32, packed, scales, N, bias, silu_mul) -> [M, N] float32
+//
+// silu_mul: W's rows are a [gate; up] layer's interleaved by 16 (gate rows 16j.., then up rows
+// 16j..; gemm_choice.silu_pair_order), bias alike, and the result is silu(gate) * up [M, N / 2]
+// (keel::silu16, as silu_and_mul computes it), as in fp16_gemm.
+//
+// Why: one `vpdpwssd` does 32 products (two int16 pairs per 32-bit lane, summed into it) where
+// a float32 FMA does 16, at about the same rate: benchmarks/i16_tile_rate.c-style loops ran
+// 2.4x the float32 FMA's products on the fiftieth round's Xeon. A decode step of 64 requests
+// is bound by the float32 FMAs there (its GEMMs read their weights at the rate they are
+// computed with them hot in cache, and bfloat16 weights widened in registers were slower).
+//
+// Accuracy: each block of kBlock values of a row of x, and of a column of W, is scaled so that
+// its largest |value| is kQ (int16 with 12.5 bits): a value's error is at most the block's
+// largest |value| / (2 kQ), against |value| / 512 for a value rounded to bfloat16, as
+// dtype="auto" computes a float32 model where the CPU has AMX tiles. No int32 sum overflows:
+// kBlock products of at most kQ^2 each stay below 2^31.
+//
+// The layout is fp16_gemm's: a panel row holds 16 output columns for two values of k (lane
+// 2j: w[k][j], lane 2j + 1: w[k + 1][j]); x's (x[k], x[k + 1]) pairs are read by one 32-bit
+// broadcast, and one `vpdpwssd` adds both products of the pair into column j's lane. Rows go
+// in blocks of kBlockRows; the threads claim runs of panel pairs within a block, and each tile
+// prefetches a share of the next item's panels into L2, as fp16_gemm's and gemm.cpp's do.
+#include "ops.h"
+#include "claims.h"
+#include "silu.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+constexpr int64_t kCols = 16;         // output columns per panel; a panel row is 32 int16 lanes
+constexpr int64_t kPairs = 32;        // pairs of k per scaled block
+constexpr int64_t kBlock = 2 * kPairs;
+constexpr float kQ = 5792.0f;         // 64 * 5792^2 < 2^31: no block's int32 sum overflows
+constexpr int64_t kBlockRows = 256;   // rows whose int16 copy the panels pass over in turn
+
+// v's block [0, n) as int16 steps of scale amax / kQ (the scale returned; 0 for a block of
+// zeros): q = round-half-even(v * (kQ / amax)), as the tests compute it in torch.
+inline float quantize_block(const float* v, int64_t n, int16_t* q) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(v[i]));
+  if (!(amax > 0.0f)) {
+    std::fill(q, q + n, int16_t{0});
+    return 0.0f;
+  }
+  const float inv = kQ / amax;
+  for (int64_t i = 0; i < n; ++i)
+    q[i] = static_cast<int16_t>(std::clamp(std::nearbyint(v[i] * inv), -kQ, kQ));
+  return amax / kQ;
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> i16_gemm_pack(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "i16_gemm_pack: weight must be a float32 or bfloat16 [N, K] CPU tensor");
+  const at::Tensor w = weight.contiguous().to(at::kFloat);
+  TORCH_CHECK(w.numel() == 0 || w.abs().max().item<float>() < INFINITY,
+              "i16_gemm_pack: the weight has values that are not finite");
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t panels = (n + kCols - 1) / kCols, pairs = (k + 1) / 2;
+  const int64_t blocks = (pairs + kPairs - 1) / kPairs;
+  at::Tensor packed = at::zeros({panels, pairs, 2 * kCols}, w.options().dtype(at::kShort));
+  at::Tensor scales = at::zeros({panels, blocks, kCols}, w.options());
+  const float* src = w.data_ptr<float>();
+  int16_t* dst = packed.data_ptr<int16_t>();
+  float* sc = scales.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t b, int64_t e) {
+    std::vector<int16_t> q(kBlock);
+    for (int64_t p = b; p < e; ++p)
+      for (int64_t j = 0; j < std::min(kCols, n - p * kCols); ++j)
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+          const int64_t k0 = blk * kBlock, len = std::min(kBlock, k - k0);
+          sc[(p * blocks + blk) * kCols + j] =
+              quantize_block(src + (p * kCols + j) * k + k0, len, q.data());
+          for (int64_t i = 0; i < len; ++i) {
+            const int64_t kk = k0 + i;
+            dst[(p * pairs + kk / 2) * 2 * kCols + 2 * j + kk % 2] = q[i];
+          }
+        }
+  });
+  return {packed, scales};
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512F__)
+#include <immintrin.h>
+
+bool i16_gemm_available() { return true; }
+
+namespace {
+
+constexpr int kRows = 10;  // rows per register tile: 20 int32 accumulators
+
+// acc += the pairs' products of a and b (`vpdpwssd`), written out: through the intrinsic GCC
+// copied every accumulator to another register, and some through the stack, at each step.
+inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
+  __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+// One block of k (pairs kb .. ke) of a tile: R rows of xq (pairs per row `ldx`) against P
+// adjacent panels w0, w1, summed in int32, then scaled by each row's block scale (sx, stride
+// `blocks`) times each column's (ws0, ws1: this block's 16) and added to the float32 sums f
+// [R][P][16], prefetching `pf` .. `pf_end` (lines of the next item's panels) two lines every
+// two pairs. Nothing but this in here, so that the 20 int32 accumulators live in registers.
+template <int R, int P>
+__attribute__((noinline)) void block_dot(const int16_t* xq, int64_t ldx, const float* sx,
+                                         int64_t blocks, const int16_t* w0, const int16_t* w1,
+                                         const float* ws0, const float* ws1, int64_t kb,
+                                         int64_t ke, float* f, const char*& pf,
+                                         const char* pf_end) {
+  __m512i c0[R], c1[R];
+#pragma GCC unroll 10
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_si512();
+  for (int64_t kp = kb; kp < ke; ++kp) {
+    if ((kp & 1) == 0 && pf < pf_end) {  // the next item's weights into L2, 2 lines
+      _mm_prefetch(pf, _MM_HINT_T1);
+      _mm_prefetch(pf + 64, _MM_HINT_T1);
+      pf += 128;
+    }
+    __m512i b0 = _mm512_loadu_si512(w0 + kp * 2 * kCols);
+    __m512i b1 = P > 1 ? _mm512_loadu_si512(w1 + kp * 2 * kCols) : b0;
+    __asm__("" : "+v"(b0), "+v"(b1));  // in registers, not folded into each dot product
+#pragma GCC unroll 10
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, xq + (r * ldx + kp) * 2, 4);
+      const __m512i a = _mm512_set1_epi32(pair);
+      dpwssd(c0[r], a, b0);
+      if constexpr (P > 1) dpwssd(c1[r], a, b1);
+    }
+  }
+  const __m512 s0 = _mm512_loadu_ps(ws0), s1 = _mm512_loadu_ps(ws1);
+#pragma GCC unroll 10
+  for (int r = 0; r < R; ++r) {
+    const __m512 xs = _mm512_set1_ps(sx[r * blocks]);
+    float* fr = f + r * P * kCols;
+    _mm512_store_ps(fr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0[r]), _mm512_mul_ps(xs, s0),
+                                        _mm512_load_ps(fr)));
+    if constexpr (P > 1)
+      _mm512_store_ps(fr + kCols, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1[r]),
+                                                  _mm512_mul_ps(xs, s1),
+                                                  _mm512_load_ps(fr + kCols)));
+  }
+}
+
+// R rows of xq (pairs per row `ldx`, each row's block scales at sx + r * blocks) against P
+// adjacent panels (w0, w1 = w0 + pairs * 32; their block scales s0, s1): out[r][j] = the sum
+// over blocks of (int32 sum) * sx * sw, + bias[j], for the first `cols` of the P * 16 columns
+// (row stride ldo); with Silu (P = 2: 16 gate columns, then their 16 up columns) out[r][j] =
+// silu(gate) * up for the 16 columns.
+template <int R, int P, bool Silu = false>
+__attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float* sx,
+                                    int64_t blocks, const int16_t* w0, const int16_t* w1,
+                                    const float* s0, const float* s1, int64_t pairs,
+                                    const float* bias, int64_t cols, float* out, int64_t ldo,
+                                    const char* pf, const char* pf_end) {
+  alignas(64) float f[R][P][kCols] = {};  // the float32 sums, between blocks
+  for (int64_t blk = 0, kb = 0; kb < pairs; ++blk, kb += kPairs)
+    block_dot<R, P>(xq, ldx, sx + blk, blocks, w0, w1, s0 + blk * kCols, s1 + blk * kCols, kb,
+                    std::min(pairs, kb + kPairs), &f[0][0][0], pf, pf_end);
+  if constexpr (Silu) {
+    static_assert(P == 2, "silu_mul pairs a gate panel with its up panel");
+    const __m512 bg = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 bu = bias != nullptr ? _mm512_loadu_ps(bias + kCols) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(out + r * ldo,
+                       _mm512_mul_ps(keel::silu16(_mm512_add_ps(_mm512_load_ps(f[r][0]), bg)),
+                                     _mm512_add_ps(_mm512_load_ps(f[r][1]), bu)));
+    return;
+  }
+  for (int pp = 0; pp < P; ++pp) {
+    const int64_t c = std::min<int64_t>(kCols, cols - pp * kCols);
+    if (c <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << c) - 1);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + pp * kCols)
+                                     : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(out + r * ldo + pp * kCols, mask,
+                            _mm512_add_ps(_mm512_load_ps(f[r][pp]), b));
+  }
+}
+
+template <int P, bool Silu = false>
+void tile_rows(int rows, const int16_t* xq, int64_t ldx, const float* sx, int64_t blocks,
+               const int16_t* w0, const int16_t* w1, const float* s0, const float* s1,
+               int64_t pairs, const float* bias, int64_t cols, float* out, int64_t ldo,
+               const char* pf, const char* pf_end) {
+  switch (rows) {
+#define KEEL_I16_TILE(R)                                                                        \
+  case R:                                                                                       \
+    tile<R, P, Silu>(xq, ldx, sx, blocks, w0, w1, s0, s1, pairs, bias, cols, out, ldo, pf,     \
+                     pf_end);                                                                   \
+    break;
+    KEEL_I16_TILE(10) KEEL_I16_TILE(9) KEEL_I16_TILE(8) KEEL_I16_TILE(7)
+    KEEL_I16_TILE(6) KEEL_I16_TILE(5) KEEL_I16_TILE(4) KEEL_I16_TILE(3) KEEL_I16_TILE(2)
+#undef KEEL_I16_TILE
+    default:
+      tile<1, P, Silu>(xq, ldx, sx, blocks, w0, w1, s0, s1, pairs, bias, cols, out, ldo, pf,
+                       pf_end);
+      break;
+  }
+}
+
+// One block of a row: the scale, and q = round-half-even(v * (kQ / amax)) as quantize_block
+// computes it (the same float32 product, rounded by the vector unit's default mode).
+// A block with a NaN or an infinity gets a NaN scale, so that every output it adds to is NaN,
+// as float32 arithmetic would make it (its int16 values are then of no account).
+inline float quantize_block16(const float* v, int64_t n, int16_t* q) {
+  __m512 vmax = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(m, v + i);
+    bad |= _mm512_fpclass_ps_mask(x, 0x99);  // quiet NaN, +inf, -inf, signalling NaN
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x));
+  }
+  if (bad) {
+    std::memset(q, 0, n * sizeof(int16_t));
+    return std::nanf("");
+  }
+  const float amax = _mm512_reduce_max_ps(vmax);
+  if (!(amax > 0.0f)) {
+    std::memset(q, 0, n * sizeof(int16_t));
+    return 0.0f;
+  }
+  const __m512 inv = _mm512_set1_ps(kQ / amax);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, v + i), inv));
+    _mm256_mask_storeu_epi16(q + i, m, _mm512_cvtepi32_epi16(qi));
+  }
+  return amax / kQ;
+}
+
+}  // namespace
+
+at::Tensor i16_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t n,
+                    std::optional<at::Tensor> bias, bool silu_mul) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "i16_gemm: x must be a float32 [M, K] CPU tensor");
+  const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
+  const int64_t panels = (n + kCols - 1) / kCols, blocks = (pairs + kPairs - 1) / kPairs;
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kShort && packed.is_contiguous() &&
+                  packed.size(0) == panels && packed.size(1) == pairs &&
+                  packed.size(2) == 2 * kCols,
+              "i16_gemm: packed must be i16_gemm_pack's [ceil(N/16), ceil(K/2), 32] for N = ",
+              n, " and K = x.size(1) = ", k);
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == panels && scales.size(1) == blocks &&
+                  scales.size(2) == kCols,
+              "i16_gemm: scales must be i16_gemm_pack's [ceil(N/16), blocks, 16]");
+  TORCH_CHECK(!silu_mul || n % (2 * kCols) == 0,
+              "i16_gemm: silu_mul needs whole pairs of [16 gate | 16 up] columns");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == n, "i16_gemm: bias must be a contiguous float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const at::Tensor xc = x.contiguous();
+  const int64_t ldo = silu_mul ? n / 2 : n;
+  at::Tensor out = at::empty({m, ldo}, xc.options());
+  if (m == 0 || n == 0) return out;
+  // x in int16 with its blocks' scales, in buffers kept by the calling thread from one call to
+  // the next (a decode step makes ~4 calls a layer).
+  thread_local std::vector<int16_t> xq_buffer;
+  thread_local std::vector<float> sx_buffer;
+  if (static_cast<int64_t>(xq_buffer.size()) < m * 2 * pairs) xq_buffer.resize(m * 2 * pairs);
+  if (static_cast<int64_t>(sx_buffer.size()) < m * blocks) sx_buffer.resize(m * blocks);
+  const float* xs = xc.data_ptr<float>();
+  int16_t* xq = xq_buffer.data();
+  float* sx = sx_buffer.data();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int16_t* dst = xq + r * 2 * pairs;
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t k0 = blk * kBlock;
+        sx[r * blocks + blk] = quantize_block16(xs + r * k + k0, std::min(kBlock, k - k0),
+                                                dst + k0);
+      }
+      if (k % 2) dst[k] = 0;  // an odd K's last pair: its second value is nothing
+    }
+  });
+  const int16_t* w = packed.data_ptr<int16_t>();
+  const float* ws = scales.data_ptr<float>();
+  const int64_t groups = (panels + 1) / 2, panel_elems = pairs * 2 * kCols;
+  const int64_t panel_scales = blocks * kCols;
+  const int64_t row_blocks = (m + kBlockRows - 1) / kBlockRows;
+  float* o = out.data_ptr<float>();
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), row_blocks * groups);
+  // Items: (block of rows, pair of panels), as in fp16_gemm.
+  const int64_t items = row_blocks * groups;
+  keel::Claims claims(items, threads, groups);
+  keel::on_threads(threads, [&] {
+    int64_t end = 0, item = claims.claim(end);
+    while (item < items) {
+      const int64_t rb = item / groups, g = item % groups, p = 2 * g;
+      const int64_t m0 = rb * kBlockRows, mb = std::min(kBlockRows, m - m0);
+      const int np = static_cast<int>(std::min<int64_t>(2, panels - p));
+      const int64_t c0 = p * kCols, cols = std::min<int64_t>(np * kCols, n - c0);
+      const int16_t* w0 = w + p * panel_elems;
+      const int16_t* w1 = np == 2 ? w0 + panel_elems : w0;
+      const float* s0 = ws + p * panel_scales;
+      const float* s1 = np == 2 ? s0 + panel_scales : s0;
+      const float* bc = b != nullptr ? b + c0 : nullptr;
+      float* oc = o + (silu_mul ? g * kCols : c0);
+      int64_t next = item + 1, next_end = end;
+      if (next == end) next = claims.claim(next_end);
+      const char* pf = nullptr;
+      int64_t pf_bytes = 0;
+      if (next < items) {
+        const int64_t np0 = next % groups * 2;
+        pf = reinterpret_cast<const char*>(w + np0 * panel_elems);
+        pf_bytes = std::min<int64_t>(2, panels - np0) * panel_elems * 2;
+      }
+      const int64_t tiles = (mb + kRows - 1) / kRows, base = mb / tiles, extra = mb % tiles;
+      const int64_t share = (pf_bytes + tiles - 1) / tiles;  // bytes prefetched per tile
+      for (int64_t t = 0, r0 = m0; t < tiles; ++t) {
+        const int rows = static_cast<int>(base + (t < extra));
+        const int16_t* xr = xq + r0 * 2 * pairs;
+        const float* sr = sx + r0 * blocks;
+        const char* pf0 = pf + std::min(pf_bytes, t * share);
+        const char* pf1 = pf + std::min(pf_bytes, (t + 1) * share);
+        if (silu_mul)
+          tile_rows<2, true>(rows, xr, pairs, sr, blocks, w0, w1, s0, s1, pairs, bc, cols,
+                             oc + r0 * ldo, ldo, pf0, pf1);
+        else if (np == 2)
+          tile_rows<2>(rows, xr, pairs, sr, blocks, w0, w1, s0, s1, pairs, bc, cols,
+                       oc + r0 * ldo, ldo, pf0, pf1);
+        else
+          tile_rows<1>(rows, xr, pairs, sr, blocks, w0, w1, s0, s1, pairs, bc, cols,
+                       oc + r0 * ldo, ldo, pf0, pf1);
+        r0 += rows;
+      }
+      item = next;
+      end = next_end;
+    }
+  });
+  return out;
+}
+
+#else  // no AVX512-VNNI
+
+bool i16_gemm_available() { return false; }
+at::Tensor i16_gemm(at::Tensor, at::Tensor, at::Tensor, int64_t, std::optional<at::Tensor>,
+                    bool) {
+  TORCH_CHECK(false, "i16_gemm needs AVX512-VNNI (i16_gemm_available() is false here)");
+}
+
+#endif

@@ -1,0 +1,195 @@
+"""keel's int16 dot-product GEMM (keel/csrc/i16_gemm.cpp, for CPUs with AVX512-VNNI and
+neither AMX nor AVX512-FP16, where dtype="auto" runs a float32 model's GEMMs on it): the
+packing is W's blocks of 64 values of k as int16 (round half to even of w * 5792 / amax) with
+their scales, computed here in torch; the product is the blocks' exact int32 sums scaled and
+summed in float32, against a float64 reference of those same int16 values, and much closer to
+the exact product than bfloat16 arithmetic is; no int32 sum overflows at the largest values;
+a NaN or an infinity in x makes its row's outputs NaN; silu in the epilogue gives
+silu_and_mul's bits; passes of many rows go in blocks. Where the build has no AVX512-VNNI the op
+says so and raises (the test checks that instead)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.cpu_ops import get_cpu_ops
+
+Q = 5792.0  # the largest int16 magnitude a block is scaled to
+BLOCK = 64  # values of k per scaled block
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = get_cpu_ops()
+    assert ops is not None, "the CPU kernels must build on this machine"
+    assert ops.i16_gemm_available() == ("avx512_vnni" in ops.built_for())
+    return ops
+
+
+def quantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of v [R, K] (float32) in blocks of 64: the int16 values [R, K] and each block's
+    scale [R, blocks], as the kernel computes them (float32 products, ties to even)."""
+    r, k = v.shape
+    blocks = (k + BLOCK - 1) // BLOCK
+    padded = torch.zeros(r, blocks * BLOCK)
+    padded[:, :k] = v
+    b = padded.view(r, blocks, BLOCK)
+    amax = b.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(Q) / amax, torch.zeros(()))
+    q = torch.round(b * inv[..., None]).clamp(-Q, Q)
+    return q.view(r, -1)[:, :k].to(torch.int16), torch.where(amax > 0, amax / Q, amax)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The float64 product of the int16 blocks, scaled: what the kernel sums in float32."""
+    qx, sx = quantize(x)
+    qw, sw = quantize(w)
+    k = x.shape[1]
+    out = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for blk in range(sx.shape[1]):
+        cols = slice(blk * BLOCK, min(k, (blk + 1) * BLOCK))
+        exact = qx[:, cols].double() @ qw[:, cols].double().t()
+        out += exact * sx[:, blk, None].double() * sw[None, :, blk].double()
+    return out if b is None else out + b.double()
+
+
+def test_packing_is_the_blocks_int16_values(ops):
+    g = torch.Generator().manual_seed(1)
+    n, k = 40, 150  # a partial panel, a partial block, an odd number of pairs' lanes
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[3] = 0.0  # a column of zeros: scale 0, values 0
+    packed, scales = ops.i16_gemm_pack(w)
+    assert packed.dtype == torch.int16 and tuple(packed.shape) == (3, 75, 32)
+    assert scales.dtype == torch.float32 and tuple(scales.shape) == (3, 3, 16)
+    q, s = quantize(w)
+    for j in range(n):
+        p, lane = divmod(j, 16)
+        col = packed[p, :, 2 * lane : 2 * lane + 2].reshape(-1)[:k]
+        assert torch.equal(col, q[j]), j
+        assert torch.equal(scales[p, :, lane], s[j]), j
+    assert (packed[2, :, 16:] == 0).all() and (scales[2, :, 8:] == 0).all()  # padding columns
+    assert packed.abs().max().item() == Q
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 48, 64), (5, 960, 576), (10, 576, 576), (23, 40, 33),
+                                     (64, 3072, 576), (64, 576, 1536), (130, 112, 300),
+                                     (7, 16, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_the_reference(ops, m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g)
+    x[0, 0] = 30.0  # an outlier: it costs only its own block's precision
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g) if with_bias else None
+    packed, scales = ops.i16_gemm_pack(w)
+    if not ops.i16_gemm_available():
+        with pytest.raises(RuntimeError, match="AVX512-VNNI"):
+            ops.i16_gemm(x, packed, scales, n, b)
+        return
+    out = ops.i16_gemm(x, packed, scales, n, b)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    ref = reference(x, w, b)
+    # Only float32's rounding of the blocks' scaled sums apart from the int16 reference.
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    exact = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+    err = (out.double() - exact).abs()
+    bf16 = x.bfloat16().float() @ w.bfloat16().float().t() + (b if b is not None else 0)
+    bf16_err = (bf16.double() - exact).abs()
+    if k > 1:  # (K = 1: both exact up to float32)
+        assert err.mean().item() < 0.25 * bf16_err.mean().item(), (err.mean(), bf16_err.mean())
+        assert err.max().item() < 0.5 * bf16_err.max().item(), (err.max(), bf16_err.max())
+
+
+def test_no_int32_sum_overflows(ops):
+    """Every value of a block at the largest int16 magnitude, both signs: 64 products of
+    5792^2 each are the largest sum a block can reach (2,147,024,896 < 2^31)."""
+    if not ops.i16_gemm_available():
+        return
+    k = 4 * BLOCK
+    x = torch.stack([torch.ones(k), -torch.ones(k) * 1e6, torch.full((k,), 3e-30)])
+    w = torch.ones(32, k)
+    packed, scales = ops.i16_gemm_pack(w)
+    out = ops.i16_gemm(x, packed, scales, 32)
+    # (the scales 1 / 5792 are not exact in float32: within float32's rounding of them)
+    assert torch.allclose(out[0], torch.full((32,), float(k)), rtol=1e-6)
+    assert torch.allclose(out[1], torch.full((32,), -1e6 * k), rtol=1e-6)
+    assert torch.allclose(out[2], torch.full((32,), 3e-30 * k), rtol=1e-5)
+
+
+def test_non_finite_x_gives_nan_rows(ops):
+    if not ops.i16_gemm_available():
+        return
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 130, generator=g)
+    x[1, 70] = float("nan")
+    x[2, 3] = float("inf")
+    w = torch.randn(24, 130, generator=g)
+    packed, scales = ops.i16_gemm_pack(w)
+    out = ops.i16_gemm(x, packed, scales, 24)
+    assert out[1].isnan().all() and out[2].isnan().all()
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[3]).all()
+    with pytest.raises(RuntimeError, match="not finite"):
+        ops.i16_gemm_pack(torch.full((16, 8), float("inf")))
+
+
+def test_arguments_are_checked(ops):
+    w = torch.randn(32, 64)
+    packed, scales = ops.i16_gemm_pack(w)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.i16_gemm_pack(w.half())
+    if not ops.i16_gemm_available():
+        return
+    with pytest.raises(RuntimeError, match=r"packed must be i16_gemm_pack's"):
+        ops.i16_gemm(torch.randn(4, 62), packed, scales, 32)
+    with pytest.raises(RuntimeError, match=r"scales must be"):
+        ops.i16_gemm(torch.randn(4, 64), packed, scales[:, :0], 32)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        ops.i16_gemm(torch.randn(4, 64).bfloat16(), packed, scales, 32)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.i16_gemm(torch.randn(4, 64), packed, scales, 32, torch.randn(31))
+    assert ops.i16_gemm(torch.randn(0, 64), packed, scales, 32).shape == (0, 32)
+
+
+@pytest.mark.parametrize("m", [1, 9, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_silu_mul_in_the_epilogue(ops, m, with_bias):
+    """silu_mul over a [gate; up] weight interleaved by 16 (gemm_choice.silu_pair_order, bias
+    alike): silu(gate) * up of the plain GEMM's columns put back in order, bit for bit."""
+    from keel.model_executor.layers.gemm_choice import silu_pair_order
+
+    if not ops.i16_gemm_available():
+        return
+    g = torch.Generator().manual_seed(m)
+    inter, k = 96, 200
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(2 * inter, k, generator=g) * 0.05
+    b = torch.randn(2 * inter, generator=g) if with_bias else None
+    order = silu_pair_order(2 * inter)
+    packed, scales = ops.i16_gemm_pack(w[order])
+    bo = None if b is None else b[order].contiguous()
+    fused = ops.i16_gemm(x, packed, scales, 2 * inter, bo, True)
+    plain = ops.i16_gemm(x, packed, scales, 2 * inter, bo).index_select(1, torch.argsort(order))
+    assert fused.shape == (m, inter)
+    assert torch.equal(fused, ops.silu_and_mul(plain))
+    with pytest.raises(RuntimeError, match="whole pairs"):
+        ops.i16_gemm(x, *ops.i16_gemm_pack(w[:48]), 48, None, True)
+
+
+def test_rows_past_a_block_and_a_reused_buffer(ops):
+    """Passes of many rows (blocks of 256) give each row what a pass of that row alone gives;
+    a smaller call with an odd K after a larger one reads nothing of the last call's rows."""
+    if not ops.i16_gemm_available():
+        return
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(80, 577, generator=g) * 0.05
+    packed, scales = ops.i16_gemm_pack(w)
+    x = torch.randn(1000, 577, generator=g)
+    big = ops.i16_gemm(x, packed, scales, 80)
+    for r in (0, 255, 256, 511, 999):
+        assert torch.equal(big[r], ops.i16_gemm(x[r : r + 1].clone(), packed, scales, 80)[0])
+    # K = 577's last pair has 0 as its second value, not the previous call's column 577.
+    stale = torch.full((1000, 578), 7.0)
+    ops.i16_gemm(stale, *ops.i16_gemm_pack(torch.ones(80, 578)), 80)
+    out = ops.i16_gemm(x[:4].clone(), packed, scales, 80)
+    assert torch.equal(out, big[:4])

@@ -1,13 +1,14 @@
-"""keel's float16-FMA GEMM (`fp16_gemm`, AVX512-FP16) against keel's float32 GEMM (`gemm`, the
-one `auto` runs on a CPU without AMX) and oneDNN's float32 linear, over the default model's 30
+"""keel's float16-FMA GEMM (`fp16_gemm`, AVX512-FP16) and int16 dot-product GEMM (`i16_gemm`,
+AVX512-VNNI), where the CPU has them, against keel's float32 GEMM (`gemm`, the one `auto` runs
+on a CPU without AMX when neither times faster) and oneDNN's float32 linear, over the default model's 30
 layers of decode GEMMs (qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536; weights
 from a bfloat16 checkpoint, random values), each layer's own weights so that they stream from
-memory as in a decode step. The three alternate, best and median of the rounds per pass.
+memory as in a decode step. They alternate, best and median of the rounds per pass.
 
     .venv/bin/python benchmarks/fp16_gemm_rate.py [--rows 64 512] [--rounds 7]
 
-BENCHMARKS.md, forty-fifth round. Needs a CPU with AVX512-FP16 (run with AMX visible or not:
-none of the three uses the tiles).
+BENCHMARKS.md, forty-fifth round (fp16_gemm) and fiftieth (i16_gemm). Needs a CPU with
+AVX512-FP16 or AVX512-VNNI (run with AMX visible or not: none of these uses the tiles).
 """
 
 from __future__ import annotations
@@ -30,31 +31,42 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     args = ap.parse_args()
     ops = get_cpu_ops()
-    assert ops is not None and ops.fp16_gemm_available(), "needs keel's kernels with AVX512-FP16"
+    fp16 = ops is not None and ops.fp16_gemm_available()
+    i16 = ops is not None and ops.i16_gemm_available()
+    assert fp16 or i16, "needs keel's kernels with AVX512-FP16 or AVX512-VNNI"
     torch.manual_seed(0)
     layers = []
     for _ in range(args.layers):
         for n, k in SHAPES:
             w = (torch.randn(n, k) * 0.05).bfloat16()
-            packed16, w_max = ops.fp16_gemm_pack(w)
-            layers.append((n, k, ops.gemm_pack(w), packed16, w_max, w.float()))
+            packed16, w_max = ops.fp16_gemm_pack(w) if fp16 else (None, 0.0)
+            packed_i16 = ops.i16_gemm_pack(w) if i16 else None
+            layers.append((n, k, ops.gemm_pack(w), packed16, w_max, w.float(), packed_i16))
     flops = {m: sum(2 * m * n * k for n, k, *_ in layers) for m in args.rows}
     xs = {(m, k): torch.randn(m, k) for m in args.rows for k in {k for _, k in SHAPES}}
 
     def keel_f32(m):
-        for n, k, p32, _, _, _ in layers:
+        for n, k, p32, *_ in layers:
             ops.gemm(xs[m, k], p32, n)
 
     def keel_f16(m):
-        for n, k, _, p16, w_max, _ in layers:
+        for n, k, _, p16, w_max, *_ in layers:
             ops.fp16_gemm(xs[m, k], p16, n, w_max)
 
+    def keel_i16(m):
+        for n, k, *_, (packed, scales) in layers:
+            ops.i16_gemm(xs[m, k], packed, scales, n)
+
     def onednn(m):
-        for n, k, _, _, _, w in layers:
+        for n, k, _, _, _, w, _ in layers:
             torch.nn.functional.linear(xs[m, k], w)
 
-    engines = {"keel float32 (gemm)": keel_f32, "keel fp16 (fp16_gemm)": keel_f16,
-               "oneDNN float32": onednn}
+    engines = {"keel float32 (gemm)": keel_f32}
+    if fp16:
+        engines["keel fp16 (fp16_gemm)"] = keel_f16
+    if i16:
+        engines["keel int16 (i16_gemm)"] = keel_i16
+    engines["oneDNN float32"] = onednn
     print(f"# {torch.get_num_threads()} threads, {args.layers} layers, "
           f"cpu: {', '.join(ops.built_for())}")
     for m in args.rows:

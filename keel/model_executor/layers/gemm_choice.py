@@ -42,8 +42,9 @@ bfloat16 arithmetic's.
 Where it has neither, but AVX512-VNNI, the same choice takes int16 dot products instead
 (csrc/i16_gemm.cpp: x and W as int16 scaled per block of 64 values of k, exact int32 sums of a
 block): one `vpdpwssd` does twice a float32 FMA's products. On an AVX-512 Xeon without AMX,
-AVX512-BF16 or -FP16 the 120 decode GEMMs at 64 rows from memory ran 1.57x keel's float32 GEMM,
-and its mean error is a seventh of bfloat16 arithmetic's (BENCHMARKS.md, fiftieth round).
+AVX512-BF16 or -FP16 the 120 decode GEMMs from memory ran 1.73x keel's float32 GEMM at 64 rows
+(1.92x at 512), and its mean error is about a thirteenth of bfloat16 arithmetic's
+(BENCHMARKS.md, fiftieth round).
 dtype="float32" keeps float32 GEMMs.
 """
 

@@ -41,6 +41,7 @@ from keel.attention.forward_context import get_forward_context
 from keel.distributed import get_tensor_model_parallel_world_size
 from keel.model_executor.layers import quantization
 from keel.model_executor.layers.amx_choice import amx_max_rows
+from keel.model_executor.layers.gemm_choice import LOW_PRECISION_KINDS
 from keel.model_executor.layers.quantization import (
     ALL_ROWS,
     Int4Weight,
@@ -69,7 +70,7 @@ def _plan_linear(ops: Any, linear: Any, dtype: torch.dtype) -> Any:
             return None
         max_rows = w.max_rows if linear.has_dense() else ALL_ROWS
     weight = linear.weight if linear.weight.numel() else None
-    if linear.packed_by in ("fp16", "i16"):  # as packed_weights.cpu_gemm takes them
+    if linear.packed_by in LOW_PRECISION_KINDS:  # fp16_gemm / i16_gemm, as cpu_gemm takes them
         return ops.PlanLinear(q, d, m, max_rows, quantization.ACTIVATION_PARTS, None, weight,
                               linear.bias, fp16=linear.packed_weight, fp16_n=linear.packed_rows,
                               fp16_w_max=linear.fp16_w_max, fp16_silu=linear.fp16_silu,

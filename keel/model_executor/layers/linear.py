@@ -161,10 +161,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         its interleaved copy: the [T, 2I] product is never written out), or None where
         that path does not apply: another GEMM, a quantized pass, or widths that are not
         multiples of 16. On fp16_gemm or i16_gemm (packed_by "fp16" / "i16") an interleaved
-        layer's float32
-        passes take silu in its epilogue likewise. `dense_only`: the dense weight's path even
-        where the pass would go to the quantized kernel (rows_per_pass.choose_rows_per_pass
-        times the two)."""
+        layer's float32 passes take silu in its epilogue likewise. `dense_only`: the dense
+        weight's path even where the pass would go to the quantized kernel
+        (rows_per_pass.choose_rows_per_pass times the two)."""
         if (not dense_only and self.quant is not None
                 and uses_kernel(self.quant, x, self.has_dense())) or x.dim() != 2:
             return None

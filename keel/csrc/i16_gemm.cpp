@@ -13,10 +13,10 @@
 // (keel::silu16, as silu_and_mul computes it), as in fp16_gemm.
 //
 // Why: one `vpdpwssd` does 32 products (two int16 pairs per 32-bit lane, summed into it) where
-// a float32 FMA does 16, at about the same rate: benchmarks/i16_tile_rate.c-style loops ran
-// 2.4x the float32 FMA's products on the fiftieth round's Xeon. A decode step of 64 requests
-// is bound by the float32 FMAs there (its GEMMs read their weights at the rate they are
-// computed with them hot in cache, and bfloat16 weights widened in registers were slower).
+// a float32 FMA does 16. On the fiftieth round's Xeon a decode step of 64 requests was bound
+// by keel's float32 FMAs (bfloat16 weights widened in registers, half the bytes, were
+// slower); at the default model's shapes with the weights from memory this GEMM ran 1.73x
+// keel's float32 GEMM at 64 rows and 1.92x at 512 (benchmarks/fp16_gemm_rate.py).
 //
 // Accuracy: each block of kBlock values of a row of x, and of a column of W, is scaled so that
 // its largest |value| is kQ (int16 with 12.5 bits): a value's error is at most the block's

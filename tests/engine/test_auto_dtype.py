@@ -225,9 +225,9 @@ def test_float16_gemms_stay_close_to_transformers(hf_model_dir, monkeypatch):
     "auto" keeps. Its prompt log-probabilities against transformers' float32 are within
     0.12, and closer than keel's dtype="bfloat16" (bfloat16 arithmetic and K/V); greedy tokens
     agree with float32's until this tiny random model's first near tie. Where the build has no
-    AVX512-FP16, "auto" computes in float32 and the same bounds hold."""
+    AVX512-FP16, "auto" runs i16_gemm where it has AVX512-VNNI, else float32, and the same
+    bounds hold."""
     from keel import LLM, SamplingParams
-    from keel.cpu_ops import get_cpu_ops
     from keel.model_executor.layers import gemm_choice
     from tests.hf_models import hf_reference
 
@@ -251,8 +251,7 @@ def test_float16_gemms_stay_close_to_transformers(hf_model_dir, monkeypatch):
                 err = max(err, abs(lps[t].logprob - ref[i, t].item()))
         errors[dtype] = err
         del llm
-    ops = get_cpu_ops()
-    low = "fp16" if ops.fp16_gemm_available() else "i16" if ops.i16_gemm_available() else None
+    low = gemm_choice.low_precision_kind()  # fp16, else i16, else None
     assert packed_by["auto"] == ({low} if low else packed_by["auto"] - {"fp16", "i16"})
     assert errors["auto"] < 0.12, errors
     assert errors["auto"] < 0.5 * errors["bfloat16"], errors

@@ -197,12 +197,13 @@ def test_gguf_kept_quantized_with_tensor_parallelism():
 
 def test_float16_gemms_with_tensor_parallelism(hf_model_dir, monkeypatch):
     """dtype="auto" for a float32 model on a CPU without AMX (as ModelConfig decides it, carried
-    to the workers): with AVX512-FP16 each rank packs its own shard for fp16_gemm (the
-    [gate; up] shard interleaved for the SiLU epilogue), and two ranks give one process's
+    to the workers): with AVX512-FP16 (else AVX512-VNNI) each rank packs its own shard for
+    fp16_gemm (else i16_gemm; the [gate; up] shard interleaved for the SiLU epilogue), and
+    two ranks give one process's
     greedy tokens, their log-probabilities within the float16 roundings' little (each rank
     scales and rounds its own half of x and of the weights)."""
     from keel import dtypes
-    from keel.cpu_ops import get_cpu_ops
+    from keel.model_executor.layers import gemm_choice
 
     monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
     # Each rank's process would time fp16_gemm against the float32 GEMM itself: on a noisy
@@ -223,8 +224,7 @@ def test_float16_gemms_with_tensor_parallelism(hf_model_dir, monkeypatch):
                      [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                     for o in outs]
         llm.close()
-        ops = get_cpu_ops()
-        low = "fp16" if ops.fp16_gemm_available() else "i16" if ops.i16_gemm_available() else None
+        low = gemm_choice.low_precision_kind()  # fp16, else i16, else None
         if low is not None:
             assert packed == [[(low, False), (low, True)]] * tp, packed
         else:

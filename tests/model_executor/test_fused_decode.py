@@ -295,7 +295,7 @@ def test_float16_gemms_are_fused_and_bit_identical(arch, overrides, tmp_path, mo
     tok_on, lp_on, on = generate(folder, None, True, monkeypatch, MIXED, **kw)
     tok_off, lp_off, off = generate(folder, None, False, monkeypatch, MIXED, **kw)
     ops = get_cpu_ops()
-    low = "fp16" if ops.fp16_gemm_available() else "i16" if ops.i16_gemm_available() else None
+    low = gemm_choice.low_precision_kind()  # fp16, else i16, else None
     available = low is not None
     config = ModelConfig(folder, dtype="auto")
     n_layers, inter = config.hf_config.num_hidden_layers, config.hf_config.intermediate_size

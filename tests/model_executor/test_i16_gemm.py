@@ -54,19 +54,21 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
     return out if b is None else out + b.double()
 
 
-def test_packing_is_the_blocks_int16_values(ops):
+@pytest.mark.parametrize("k", [150, 151])  # an odd number of pairs; an odd k's last pair
+def test_packing_is_the_blocks_int16_values(ops, k):
     g = torch.Generator().manual_seed(1)
-    n, k = 40, 150  # a partial panel, a partial block, an odd number of pairs' lanes
+    n = 40  # a partial panel, and k a partial block
     w = torch.randn(n, k, generator=g) * 0.05
     w[3] = 0.0  # a column of zeros: scale 0, values 0
     packed, scales = ops.i16_gemm_pack(w)
-    assert packed.dtype == torch.int16 and tuple(packed.shape) == (3, 75, 32)
+    assert packed.dtype == torch.int16 and tuple(packed.shape) == (3, (k + 1) // 2, 32)
     assert scales.dtype == torch.float32 and tuple(scales.shape) == (3, 3, 16)
     q, s = quantize(w)
     for j in range(n):
         p, lane = divmod(j, 16)
-        col = packed[p, :, 2 * lane : 2 * lane + 2].reshape(-1)[:k]
-        assert torch.equal(col, q[j]), j
+        col = packed[p, :, 2 * lane : 2 * lane + 2].reshape(-1)
+        assert torch.equal(col[:k], q[j]), j
+        assert (col[k:] == 0).all(), j  # the pad of an odd k's last pair
         assert torch.equal(scales[p, :, lane], s[j]), j
     assert (packed[2, :, 16:] == 0).all() and (scales[2, :, 8:] == 0).all()  # padding columns
     assert packed.abs().max().item() == Q

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -41,6 +42,24 @@ class Claims {
   std::atomic<int64_t> next_{0};
   const int64_t items_, threads_, group_;
 };
+
+// A GEMM tile's share of the next item's weights, prefetched into L2 spread evenly over the
+// tile's `steps` steps of k: at each step, the lines (from `pf`) that bring the count to its
+// share of the steps so far, `lines` in all (`acc` starts at 0). gemm.cpp's AVX-512 tile over
+// a float32 weight prefetched two lines every step until its share was done; spread, the
+// default model's 120 decode GEMMs from memory ran 1.04-1.10x faster at 64 rows (an AVX-512
+// Xeon without AMX; BENCHMARKS.md, fifty-first round). Its tile over a bfloat16 weight and
+// i16_gemm's, spread the same way, read level or slower within the host's noise, and keep
+// their two lines a step.
+__attribute__((always_inline)) inline void spread_prefetch(const char*& pf, int64_t& acc,
+                                                          int64_t lines, int64_t steps) {
+  acc += lines;
+  while (acc >= steps) {
+    _mm_prefetch(pf, _MM_HINT_T1);
+    pf += 64;
+    acc -= steps;
+  }
+}
 
 // f() once on each of `threads` of torch's threads (inline when threads <= 1 or when already
 // inside a parallel region); each call claims runs until none is left.

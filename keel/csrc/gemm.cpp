@@ -180,8 +180,10 @@ __attribute__((always_inline)) inline void fma_step512(const float* x, int64_t l
 
 // One register tile: R rows of x against panels w0 (and w1 when P == 2), over all of K, stored
 // to out (row stride ldo; columns 0-15 from w0, 16-31 from w1). `pf` .. `pf_end` are lines of
-// the next item's panels to prefetch, up to two every 4 steps of k. As in `tile`: nothing but
-// the loop in here, so that the accumulators live in registers only.
+// the next item's panels to prefetch: a float32 weight's spread over the steps of 4 values of
+// k (keel::spread_prefetch), a bfloat16 weight's two lines a step until they are done (spread,
+// its GEMMs read 0.94-1.00x). As in `tile`: nothing but the loop in here, so that the
+// accumulators live in registers only.
 template <int R, int P, typename W>
 __attribute__((always_inline)) inline void tile512(const float* x, int64_t ldx, const W* w0,
                                                    const W* w1, int64_t k_len, float* out,
@@ -190,9 +192,12 @@ __attribute__((always_inline)) inline void tile512(const float* x, int64_t ldx, 
   __m512 c0[R], c1[R];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
-  int64_t k = 0;
+  int64_t k = 0, acc = 0;
+  const int64_t steps = k_len / 4, lines = (pf_end - pf + 63) / 64;
   for (; k + 4 <= k_len; k += 4) {
-    if (pf < pf_end) {
+    if constexpr (std::is_same_v<W, float>) {
+      keel::spread_prefetch(pf, acc, lines, steps);
+    } else if (pf < pf_end) {
       _mm_prefetch(pf, _MM_HINT_T1);
       _mm_prefetch(pf + 64, _MM_HINT_T1);
       pf += 128;

@@ -48,9 +48,9 @@ class Claims {
 // share of the steps so far, `lines` in all (`acc` starts at 0). gemm.cpp's AVX-512 tile over
 // a float32 weight prefetched two lines every step until its share was done; spread, the
 // default model's 120 decode GEMMs from memory ran 1.04-1.10x faster at 64 rows (an AVX-512
-// Xeon without AMX; BENCHMARKS.md, fifty-first round). Its tile over a bfloat16 weight and
-// i16_gemm's, spread the same way, read level or slower within the host's noise, and keep
-// their two lines a step.
+// Xeon without AMX; BENCHMARKS.md, fifty-first round). Its tile over a bfloat16 weight, spread
+// the same way, read level or slower within the host's noise and keeps its two lines a step;
+// i16_gemm's read 0.96-0.98x spread and prefetches one line every two pairs instead.
 __attribute__((always_inline)) inline void spread_prefetch(const char*& pf, int64_t& acc,
                                                           int64_t lines, int64_t steps) {
   acc += lines;

@@ -129,22 +129,29 @@ inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
 // One block of k (pairs kb .. ke) of a tile: R rows of xq (pairs per row `ldx`) against P
 // adjacent panels w0, w1, summed in int32, then scaled by each row's block scale (sx, stride
 // `blocks`) times each column's (ws0, ws1: this block's 16) and added to the float32 sums f
-// [R][P][16], prefetching `pf` .. `pf_end` (lines of the next item's panels) two lines every
-// two pairs. Nothing but this in here, so that the 20 int32 accumulators live in registers.
+// [R][P][16], prefetching `pf` .. `pf_end` (lines of the next item's panels) one line every two
+// pairs, or two (`two`) where the tile's share has more lines than half its pairs (a tile of
+// few rows, whose share is the whole next item). Two lines every two pairs for every tile ran
+// the default model's 120 decode GEMMs from memory 1.03-1.05x slower at 8 and 64 rows
+// (BENCHMARKS.md, fifty-first round). Nothing but this in here, so that the 20 int32
+// accumulators live in registers.
 template <int R, int P>
 __attribute__((noinline)) void block_dot(const int16_t* xq, int64_t ldx, const float* sx,
                                          int64_t blocks, const int16_t* w0, const int16_t* w1,
                                          const float* ws0, const float* ws1, int64_t kb,
                                          int64_t ke, float* f, const char*& pf,
-                                         const char* pf_end) {
+                                         const char* pf_end, bool two) {
   __m512i c0[R], c1[R];
 #pragma GCC unroll 10
   for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_si512();
   for (int64_t kp = kb; kp < ke; ++kp) {
-    if ((kp & 1) == 0 && pf < pf_end) {  // the next item's weights into L2, 2 lines
+    if ((kp & 1) == 0 && pf < pf_end) {  // the next item's weights into L2
       _mm_prefetch(pf, _MM_HINT_T1);
-      _mm_prefetch(pf + 64, _MM_HINT_T1);
-      pf += 128;
+      pf += 64;
+      if (two) {
+        _mm_prefetch(pf, _MM_HINT_T1);
+        pf += 64;
+      }
     }
     __m512i b0 = _mm512_loadu_si512(w0 + kp * 2 * kCols);
     __m512i b1 = P > 1 ? _mm512_loadu_si512(w1 + kp * 2 * kCols) : b0;
@@ -184,9 +191,10 @@ __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float*
                                     const float* bias, int64_t cols, float* out, int64_t ldo,
                                     const char* pf, const char* pf_end) {
   alignas(64) float f[R][P][kCols] = {};  // the float32 sums, between blocks
+  const bool two = (pf_end - pf + 63) / 64 * 2 > pairs;
   for (int64_t blk = 0, kb = 0; kb < pairs; ++blk, kb += kPairs)
     block_dot<R, P>(xq, ldx, sx + blk, blocks, w0, w1, s0 + blk * kCols, s1 + blk * kCols, kb,
-                    std::min(pairs, kb + kPairs), &f[0][0][0], pf, pf_end);
+                    std::min(pairs, kb + kPairs), &f[0][0][0], pf, pf_end, two);
   if constexpr (Silu) {
     static_assert(P == 2, "silu_mul pairs a gate panel with its up panel");
     const __m512 bg = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();

@@ -204,12 +204,7 @@ at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
               n, " and K = x.size(1) = ", k);
   TORCH_CHECK(!silu_mul || n % (2 * kCols) == 0,
               "fp16_gemm: silu_mul needs whole pairs of [16 gate | 16 up] columns");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == n, "fp16_gemm: bias must be a contiguous float32 [N]");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = float32_bias(bias, n, "fp16_gemm");
   const at::Tensor xc = x.contiguous();
   const int64_t ldo = silu_mul ? n / 2 : n;
   at::Tensor out = at::empty({m, ldo}, xc.options());

@@ -416,12 +416,7 @@ at::Tensor gemm_entry(const char* what, const at::Tensor& x, const at::Tensor& p
                   packed.size(0) == (n + kCols - 1) / kCols && packed.size(1) == x.size(1),
               what, ": packed must be gemm_pack's [ceil(N/16), K, 16] for N = ", n,
               " and K = x.size(1) = ", x.size(1));
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == n, what, ": bias must be a contiguous float32 [N]");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = float32_bias(bias, n, what);
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1);
   at::Tensor out = at::empty({m, Silu ? n / 2 : n}, xc.options());

@@ -288,12 +288,7 @@ at::Tensor i16_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t 
               "i16_gemm: scales must be i16_gemm_pack's [ceil(N/16), blocks, 16]");
   TORCH_CHECK(!silu_mul || n % (2 * kCols) == 0,
               "i16_gemm: silu_mul needs whole pairs of [16 gate | 16 up] columns");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == n, "i16_gemm: bias must be a contiguous float32 [N]");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = float32_bias(bias, n, "i16_gemm");
   const at::Tensor xc = x.contiguous();
   const int64_t ldo = silu_mul ? n / 2 : n;
   at::Tensor out = at::empty({m, ldo}, xc.options());

@@ -7,6 +7,15 @@
 #include <optional>
 #include <tuple>
 
+// A GEMM's optional bias (gemm, fp16_gemm, i16_gemm): its float32 data, or nullptr without one.
+inline const float* float32_bias(const std::optional<at::Tensor>& bias, int64_t n,
+                                 const char* what) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+              what, ": bias must be a contiguous float32 [N]");
+  return bias->data_ptr<float>();
+}
+
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_table, at::Tensor seq_lens,
                            std::optional<at::Tensor> rows, double scale, int64_t sliding_window,

@@ -21,6 +21,8 @@ Cases, on the default model's shapes (bfloat16, 64 rows as a decode step of 64 r
 - `head`: the LM head, 64 x 49,152 x 576 from memory (a 256 MB sweep before each call, not
   timed): amx_gemm then argmax_rows, and amx_gemm_argmax.
 - `attention`: paged_attention over 30 layers' bfloat16 caches, 64 rows x 364-864 keys.
+- `prefill`: prefill_attention over 5 whole prompts of 310-790 tokens (the long workload's
+  lengths), float32 and bfloat16, views of one [L, q + 2 kv] output as in a prompt pass.
 
 Builds older than the module-local bindings do not load beside another (pybind11 refuses a
 second "PlanLinear"); such a build can be made loadable by adding `pybind11::module_local()`
@@ -95,7 +97,27 @@ def attention_case(ops_any, g):
     return {"decode attention, 30 layers (paged_attention)": (run, None)}
 
 
-CASES = {"gemm": gemm_case, "head": head_case, "attention": attention_case}
+def prefill_case(ops_any, g):
+    heads, kv_heads, dim = 9, 3, 64
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cases = []
+        for n in (310, 450, 547, 640, 790):
+            qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+            q = qkv[:, :heads * dim].view(n, heads, dim)
+            k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(n, kv_heads, dim)
+            v = qkv[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
+            cases.append((q, k, v, torch.empty(n, heads * dim, dtype=dtype)))
+
+        def run(ops, cases=cases):
+            for q, k, v, o in cases:
+                ops.prefill_attention(q, k, v, o, dim ** -0.5, 0)
+        out[f"prefill attention, 5 prompts of 310-790 tokens ({str(dtype)[6:]})"] = (run, None)
+    return out
+
+
+CASES = {"gemm": gemm_case, "head": head_case, "attention": attention_case,
+         "prefill": prefill_case}
 
 
 def main() -> None:

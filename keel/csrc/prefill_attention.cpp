@@ -42,12 +42,6 @@ constexpr int64_t kMaxGroup = 16;
 // GCC does not fold them into every FMA, which made the loops wait on loads instead of FMAs.
 constexpr int kTile = 6;
 
-// Lanes j .. j + 7 of a block: is each in [lo, hi)? (all-ones or all-zeros per lane)
-inline auto visible(int64_t j, int64_t lo, int64_t hi) {
-  const v8 lane = v8{0, 1, 2, 3, 4, 5, 6, 7} + static_cast<float>(j);
-  return (lane >= static_cast<float>(lo)) & (lane < static_cast<float>(hi));
-}
-
 // The tiles' vectors: 16 lanes where the CPU has AVX-512 (a tile then covers 32 keys or 32
 // dims: two registers a query vector, twice the AVX2 tile's work per instruction), else 8.
 // Each output is the same chain of FMAs in the same order either way, so the bits agree.
@@ -65,6 +59,46 @@ inline V splat(float x) {
   else return splat8(x);
 }
 constexpr int64_t kSpan = 2 * kLanes;  // keys of a score tile, dims of a value tile
+
+// The online softmax runs in the tiles' lanes too: in 8 lanes on AVX-512 it was ~30% of the
+// kernel's time (5 prompts of 310-790 tokens, float32), and in 16 lanes, with a tree for the
+// horizontal maximum instead of 15 dependent scalar ones, the kernel ran 1.08-1.13x faster
+// (BENCHMARKS.md, fifty-second round).
+
+// Lanes j .. j + kLanes - 1 of a block: is each in [lo, hi)? (all-ones or all-zeros per lane)
+inline auto visible(int64_t j, int64_t lo, int64_t hi) {
+  Vec lane;  // 0, 1, ..., a constant
+  for (int i = 0; i < static_cast<int>(kLanes); ++i) lane[i] = static_cast<float>(i);
+  lane += splat<Vec>(static_cast<float>(j));
+  return (lane >= splat<Vec>(static_cast<float>(lo))) & (lane < splat<Vec>(static_cast<float>(hi)));
+}
+
+// The largest lane (a tree of shuffles on AVX-512) and the sum of the lanes.
+inline float hmax(Vec v) {
+#ifdef __AVX512F__
+  Vec t = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  v = v > t ? v : t;
+  return v[0];
+#else
+  float m = v[0];
+  for (int i = 1; i < static_cast<int>(kLanes); ++i) m = std::max(m, v[i]);
+  return m;
+#endif
+}
+
+inline float hsum_lanes(Vec v) {
+#ifdef __AVX512F__
+  return keel::hsum(v);
+#else
+  return keel::hsum8(v);
+#endif
+}
 
 // s[x][j] = sum_d q[x][d] * kt[d][j] for kTile query vectors and kSpan keys.
 inline void scores_tile(const float* q, int64_t D, const float* kt, int64_t kt_stride, float* s,
@@ -167,29 +201,29 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const float* kt, i
         continue;
       }
       const bool whole = lo == 0 && hi == n16;
-      v8 mv = splat8(ninf);
-      for (int64_t j = 0; j < n16; j += 8) {
-        v8 e = load8(sx + j);
-        if (!whole) e = visible(j, lo, hi) ? e : splat8(ninf);
+      Vec mv = splat<Vec>(ninf);
+      for (int64_t j = 0; j < n16; j += kLanes) {
+        Vec e = keel::loadv<Vec>(sx + j);
+        if (!whole) e = visible(j, lo, hi) ? e : splat<Vec>(ninf);
         mv = e > mv ? e : mv;
       }
-      float mx = mv[0];
-      for (int i = 1; i < 8; ++i) mx = std::max(mx, mv[i]);
-      mx = std::max(mx, w.m[x]);
+      const float mx = std::max(hmax(mv), w.m[x]);
       // Rescale what was accumulated when the row's maximum grows (0 on its first block).
       const float alpha = mx == w.m[x] ? 1.f : std::exp(w.m[x] - mx);
       w.m[x] = mx;
-      v8 sum = {};
-      for (int64_t j = 0; j < n16; j += 8) {
-        v8 p = keel::expv(load8(sx + j) - mx);
-        if (!whole) p = visible(j, lo, hi) ? p : v8{};
-        store8(sx + j, p);
+      Vec sum = {};
+      const Vec mxv = splat<Vec>(mx);
+      for (int64_t j = 0; j < n16; j += kLanes) {
+        Vec p = keel::expv(keel::loadv<Vec>(sx + j) - mxv);
+        if (!whole) p = visible(j, lo, hi) ? p : Vec{};
+        keel::storev(sx + j, p);
         sum += p;
       }
-      w.l[x] = w.l[x] * alpha + keel::hsum8(sum);
+      w.l[x] = w.l[x] * alpha + hsum_lanes(sum);
       if (alpha != 1.f) {
         float* a = w.acc.data() + x * D;
-        for (int d = 0; d < D; d += 8) store8(a + d, load8(a + d) * alpha);
+        for (int d = 0; d < D; d += kLanes)
+          keel::storev(a + d, keel::loadv<Vec>(a + d) * splat<Vec>(alpha));
       }
     }
     const T* vb = v_ptr + kb * v_stride + hk * D;
@@ -209,7 +243,8 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const float* kt, i
       const float inv = 1.f / w.l[x];
       const float* a = w.acc.data() + x * D;
       T* dst = o_ptr + (r0 + r) * o_stride + (hk * G + g) * D;
-      for (int d = 0; d < D; d += 8) store8(dst, load8(a + d) * inv), dst += 8;
+      for (int d = 0; d < D; d += kLanes)
+        keel::storev(dst + d, keel::loadv<Vec>(a + d) * splat<Vec>(inv));
     }
 }
 

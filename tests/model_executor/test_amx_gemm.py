@@ -403,13 +403,12 @@ def test_amx_gemm_choice_favours_keel_within_the_margin(ops, monkeypatch, onednn
     hot measurement understates its lead when a decode step reads the weights from memory."""
     calls = []
 
-    def fake_time(dtype, *args, kernel="onednn"):
-        calls.append(kernel)
-        return {"amx": onednn_faster_by, "onednn": 1.0}[kernel]
+    def fake_timer(dtype, kernel="onednn", *args):
+        return lambda: calls.append(kernel) or {"amx": onednn_faster_by, "onednn": 1.0}[kernel]
 
     monkeypatch.delenv("KEEL_AMX_GEMM", raising=False)
     monkeypatch.delenv("KEEL_CPU_GEMM", raising=False)
-    monkeypatch.setattr(linear_mod, "_time_packed_gemm", fake_time)
+    monkeypatch.setattr(linear_mod, "_gemm_timer", fake_timer)
     monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
     if not (ops.amx_gemm_available() and linear_mod._onednn_available()):
         assert not amx_choice.amx_gemm_chosen() and not calls  # nothing to measure

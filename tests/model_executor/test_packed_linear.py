@@ -152,12 +152,17 @@ def test_keel_gemm_choice(monkeypatch, onednn_faster_by):
 
     calls = []
 
-    def fake_time(dtype, *args, kernel="onednn"):
-        calls.append(kernel)
-        return {"keel": onednn_faster_by, "onednn": 1.0}[kernel]
+    def fake_timer(dtype, kernel="onednn", *args):
+        made.append(kernel)
 
+        def time():
+            calls.append(kernel)
+            return {"keel": onednn_faster_by, "onednn": 1.0}[kernel]
+        return time
+
+    made = []
     monkeypatch.delenv("KEEL_CPU_GEMM", raising=False)
-    monkeypatch.setattr(linear, "_time_packed_gemm", fake_time)
+    monkeypatch.setattr(linear, "_gemm_timer", fake_timer)
     monkeypatch.setattr(linear, "_keel_gemm_faster", None)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert linear.keel_gemm_chosen() and not calls
@@ -166,6 +171,7 @@ def test_keel_gemm_choice(monkeypatch, onednn_faster_by):
     keel = onednn_faster_by < linear.OWN_KERNEL_MARGIN
     assert linear.keel_gemm_chosen() == keel and linear.keel_gemm_chosen() == keel
     assert sorted(calls) == ["keel"] * 5 + ["onednn"] * 5  # measured once, 5 rounds in turn
+    assert sorted(made) == ["keel", "onednn"]  # each side's weight made and packed once
     layer = RowParallelLinear(32, 8)
     layer.weight.data = torch.randn(8, 32)
     layer.process_weights_after_loading()
@@ -179,13 +185,12 @@ def test_bf16_choice_is_measured_where_the_cpu_has_bf16(monkeypatch):
 
     calls = []
 
-    def fake_time(dtype, *args):
-        calls.append(dtype)
-        return 2.0 if dtype == torch.bfloat16 else 1.0  # bfloat16 slower
+    def fake_timer(dtype, *args):
+        return lambda: calls.append(dtype) or (2.0 if dtype == torch.bfloat16 else 1.0)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True,
                         raising=False)
-    monkeypatch.setattr(linear, "_time_packed_gemm", fake_time)
+    monkeypatch.setattr(linear, "_gemm_timer", fake_timer)
     monkeypatch.setattr(linear, "_bf16_slower_than_fp32", None)
     w = torch.zeros(4, 4, dtype=torch.bfloat16)
     assert linear.bf16_gemm_in_float32(w) and linear.bf16_gemm_in_float32(w)

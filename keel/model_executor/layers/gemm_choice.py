@@ -234,16 +234,12 @@ def keel_gemm_chosen() -> bool:
 
 
 def _first_faster(a: tuple, b: tuple, rounds: int = 3, margin: float = 1.0) -> bool:
-    """Whether the packed GEMM `_time_packed_gemm(*a)` is faster than `_time_packed_gemm(*b)`
-    (by `margin`, see _faster): each timed `rounds` times, in turn, the best kept. On a shared
-    host a burst of another tenant's work can slow one side's only window: measured one after
-    the other, the AMX GEMM once lost to oneDNN (140 us against 93 a minute later), and the
-    choice holds for the process."""
-    def timed(dtype: torch.dtype, kernel: str | None = None) -> Callable[[], float]:
-        return lambda: (_time_packed_gemm(dtype) if kernel is None
-                        else _time_packed_gemm(dtype, kernel=kernel))
-
-    return _faster(timed(*a), timed(*b), rounds, margin)
+    """Whether the packed GEMM `_gemm_timer(*a)` times is faster than `_gemm_timer(*b)`'s (by
+    `margin`, see _faster): each timed `rounds` times, in turn, the best kept. On a shared host
+    a burst of another tenant's work can slow one side's only window: measured one after the
+    other, the AMX GEMM once lost to oneDNN (140 us against 93 a minute later), and the choice
+    holds for the process. Each side's operands are made and packed once, not every round."""
+    return _faster(_gemm_timer(*a), _gemm_timer(*b), rounds, margin)
 
 
 def _faster(time_a: Callable[[], float], time_b: Callable[[], float], rounds: int,
@@ -257,9 +253,12 @@ def _faster(time_a: Callable[[], float], time_b: Callable[[], float], rounds: in
     return ta < margin * tb
 
 
-def _time_packed_gemm(dtype: torch.dtype, kernel: str = "onednn", rows: int = 64,
-                      n: int = 1536, k: int = 576) -> float:
-    """Best of 10 packed GEMMs at a decode-sized shape (the default model's gate_up)."""
+def _gemm_timer(dtype: torch.dtype, kernel: str = "onednn", rows: int = 64, n: int = 1536,
+                k: int = 576) -> Callable[[], float]:
+    """A packed GEMM at a decode-sized shape (the default model's gate_up) on `kernel`, its
+    weight made and packed now; each call of the result times the best of 10 passes. Made once
+    for all of a choice's rounds: made again every round, the random weight and its packing
+    took about half of the ~0.2 s the load-time choices cost."""
     from keel.utils import best_seconds
 
     w = torch.randn(n, k).to(dtype)
@@ -279,7 +278,7 @@ def _time_packed_gemm(dtype: torch.dtype, kernel: str = "onednn", rows: int = 64
     else:
         packed = pack_weight(w)
         fn = lambda: packed_linear(x, packed)
-    return best_seconds(fn, 10)
+    return lambda: best_seconds(fn, 10)
 
 
 def silu_pair_order(n: int) -> torch.Tensor:

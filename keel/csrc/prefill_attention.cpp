@@ -62,8 +62,8 @@ constexpr int64_t kSpan = 2 * kLanes;  // keys of a score tile, dims of a value 
 
 // The online softmax runs in the tiles' lanes too: in 8 lanes on AVX-512 it was ~30% of the
 // kernel's time (5 prompts of 310-790 tokens, float32), and in 16 lanes, with a tree for the
-// horizontal maximum instead of 15 dependent scalar ones, the kernel ran 1.08-1.13x faster
-// (BENCHMARKS.md, fifty-second round).
+// horizontal maximum instead of 15 dependent scalar ones, the kernel ran 1.13-1.17x faster
+// (benchmarks/kernel_ab.py --cases prefill; BENCHMARKS.md, fifty-second round).
 
 // Lanes j .. j + kLanes - 1 of a block: is each in [lo, hi)? (all-ones or all-zeros per lane)
 inline auto visible(int64_t j, int64_t lo, int64_t hi) {

@@ -150,7 +150,7 @@ def test_keel_gemm_choice(monkeypatch, onednn_faster_by):
     OWN_KERNEL_MARGIN (the hot measurement understates keel's lead from memory)."""
     from keel.model_executor.layers import gemm_choice as linear
 
-    calls = []
+    calls, made = [], []  # timings taken; timers made (each makes and packs a weight)
 
     def fake_timer(dtype, kernel="onednn", *args):
         made.append(kernel)
@@ -160,7 +160,6 @@ def test_keel_gemm_choice(monkeypatch, onednn_faster_by):
             return {"keel": onednn_faster_by, "onednn": 1.0}[kernel]
         return time
 
-    made = []
     monkeypatch.delenv("KEEL_CPU_GEMM", raising=False)
     monkeypatch.setattr(linear, "_gemm_timer", fake_timer)
     monkeypatch.setattr(linear, "_keel_gemm_faster", None)

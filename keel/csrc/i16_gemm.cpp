@@ -133,8 +133,8 @@ inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
 // pairs, or two (`two`) where the tile's share has more lines than half its pairs (a tile of
 // few rows, whose share is the whole next item). Two lines every two pairs for every tile ran
 // the default model's 120 decode GEMMs from memory 1.02-1.03x slower at 8 rows and 1.05-1.10x
-// at 64 (level at 512; BENCHMARKS.md, fifty-first round). Nothing but this in here, so that the 20 int32
-// accumulators live in registers.
+// at 64 (level at 512; BENCHMARKS.md, fifty-first round). Nothing but this in here, so that
+// the 20 int32 accumulators live in registers.
 template <int R, int P>
 __attribute__((noinline)) void block_dot(const int16_t* xq, int64_t ldx, const float* sx,
                                          int64_t blocks, const int16_t* w0, const int16_t* w1,

@@ -62,8 +62,9 @@ constexpr int64_t kSpan = 2 * kLanes;  // keys of a score tile, dims of a value 
 
 // The online softmax runs in the tiles' lanes too: in 8 lanes on AVX-512 it was ~30% of the
 // kernel's time (5 prompts of 310-790 tokens, float32), and in 16 lanes, with a tree for the
-// horizontal maximum instead of 15 dependent scalar ones, the kernel ran 1.13-1.17x faster
-// (benchmarks/kernel_ab.py --cases prefill; BENCHMARKS.md, fifty-second round).
+// horizontal maximum (`_mm512_reduce_max_ps`) instead of 15 dependent scalar ones, the kernel
+// ran 1.13-1.17x faster (benchmarks/kernel_ab.py --cases prefill; BENCHMARKS.md, fifty-second
+// round).
 
 // Lanes j .. j + kLanes - 1 of a block: is each in [lo, hi)? (all-ones or all-zeros per lane)
 inline auto visible(int64_t j, int64_t lo, int64_t hi) {
@@ -73,18 +74,10 @@ inline auto visible(int64_t j, int64_t lo, int64_t hi) {
   return (lane >= splat<Vec>(static_cast<float>(lo))) & (lane < splat<Vec>(static_cast<float>(hi)));
 }
 
-// The largest lane (a tree of shuffles on AVX-512) and the sum of the lanes.
+// The largest lane and the sum of the lanes.
 inline float hmax(Vec v) {
 #ifdef __AVX512F__
-  Vec t = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v = v > t ? v : t;
-  t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v = v > t ? v : t;
-  t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v = v > t ? v : t;
-  t = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  v = v > t ? v : t;
-  return v[0];
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
 #else
   float m = v[0];
   for (int i = 1; i < static_cast<int>(kLanes); ++i) m = std::max(m, v[i]);

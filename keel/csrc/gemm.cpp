@@ -48,6 +48,18 @@ constexpr int64_t kCols = 16;      // output columns per panel (two AVX2 registe
 constexpr int kRows = 6;           // rows per register tile: 12 accumulators
 constexpr int64_t kBlockBytes = 384 * 1024;  // a block of x rows that stays in L2
 
+// Where a tile's results will be written (its first row at p, rows ld floats apart, 16 floats
+// a panel), for the AVX-512 tile to fetch those lines for writing while it runs: stored cold at
+// the tile's end, each store waited on a read for ownership from memory, and the next tile's
+// first loads behind them. One line every 16 steps of k: at 2,052 rows qkv and o ran 1.07x and
+// 1.10x faster, [gate; up] + SiLU 1.03x, down 1.02x; at 64 rows from memory 1.02-1.05x; the
+// same bits (BENCHMARKS.md, fifty-third round). p null: nothing to fetch (the gate half of
+// [gate; up], whose sums go to the stack). The AVX2 tile ignores it: level there.
+struct WriteAhead {
+  float* p = nullptr;
+  int64_t ld = 0;
+};
+
 inline void load_cols(const float* w, __m256& b0, __m256& b1) {
   b0 = _mm256_loadu_ps(w);
   b1 = _mm256_loadu_ps(w + 8);
@@ -133,7 +145,7 @@ struct Avx2Tile {
   __attribute__((always_inline)) void operator()(int, int rows, const float* x, int64_t ldx,
                                                  const W* w, int64_t k_len, float* out,
                                                  int64_t ldo, const char* pf,
-                                                 const char* pf_end) const {
+                                                 const char* pf_end, WriteAhead = {}) const {
     tile_rows<W>(rows, x, ldx, w, k_len, out, ldo, pf, pf_end);
   }
 };
@@ -188,12 +200,17 @@ template <int R, int P, typename W>
 __attribute__((always_inline)) inline void tile512(const float* x, int64_t ldx, const W* w0,
                                                    const W* w1, int64_t k_len, float* out,
                                                    int64_t ldo, const char* pf,
-                                                   const char* pf_end) {
+                                                   const char* pf_end, WriteAhead wa) {
   __m512 c0[R], c1[R];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
   int64_t k = 0, acc = 0;
   const int64_t steps = k_len / 4, lines = (pf_end - pf + 63) / 64;
+  // The R * P output lines (one per row and panel), one every 16 steps of k from the first, so
+  // that their reads for ownership are done long before the stores. Spread evenly over all the
+  // steps instead, the last ones came too late: qkv and o 1.01-1.03x instead of 1.07-1.10x.
+  const int64_t out_lines = wa.p != nullptr ? R * P : 0;
+  int64_t out_next = 0;
   for (; k + 4 <= k_len; k += 4) {
     if constexpr (std::is_same_v<W, float>) {
       keel::spread_prefetch(pf, acc, lines, steps);
@@ -201,6 +218,11 @@ __attribute__((always_inline)) inline void tile512(const float* x, int64_t ldx, 
       _mm_prefetch(pf, _MM_HINT_T1);
       _mm_prefetch(pf + 64, _MM_HINT_T1);
       pf += 128;
+    }
+    if ((k & 15) == 0 && out_next < out_lines) {
+      const int64_t r = out_next / P, q = out_next % P;
+      _mm_prefetch(reinterpret_cast<const char*>(wa.p + r * wa.ld + q * kCols), _MM_HINT_ET0);
+      ++out_next;
     }
 #pragma GCC unroll 4
     for (int64_t kk = k; kk < k + 4; ++kk) fma_step512<R, P>(x, ldx, w0, w1, kk, c0, c1);
@@ -217,24 +239,25 @@ template <int P, typename W>
 __attribute__((always_inline)) inline void tile512_rows(int rows, const float* x, int64_t ldx,
                                                         const W* w0, const W* w1,
                                                         int64_t k_len, float* out, int64_t ldo,
-                                                        const char* pf, const char* pf_end) {
+                                                        const char* pf, const char* pf_end,
+                                                        WriteAhead wa) {
   // Rows past kRows512 never come; without their cases the tiles measured 2-4% slower at
   // 2,052 rows (the same bits: GCC placed or inlined the code differently), so they stay.
   switch (rows) {
-    case 14: tile512<14, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 13: tile512<13, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 12: tile512<12, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 11: tile512<11, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 10: tile512<10, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 9: tile512<9, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 8: tile512<8, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 7: tile512<7, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 6: tile512<6, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 5: tile512<5, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 4: tile512<4, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 3: tile512<3, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    case 2: tile512<2, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
-    default: tile512<1, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end); break;
+    case 14: tile512<14, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 13: tile512<13, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 12: tile512<12, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 11: tile512<11, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 10: tile512<10, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 9: tile512<9, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 8: tile512<8, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 7: tile512<7, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 6: tile512<6, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 5: tile512<5, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 4: tile512<4, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 3: tile512<3, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    case 2: tile512<2, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
+    default: tile512<1, P>(x, ldx, w0, w1, k_len, out, ldo, pf, pf_end, wa); break;
   }
 }
 
@@ -243,11 +266,11 @@ template <typename W>
 __attribute__((always_inline)) inline void tile512_any(int panels, int rows, const float* x,
                                                        int64_t ldx, const W* w, int64_t k_len,
                                                        float* out, int64_t ldo, const char* pf,
-                                                       const char* pf_end) {
+                                                       const char* pf_end, WriteAhead wa) {
   if (panels == 2)
-    tile512_rows<2, W>(rows, x, ldx, w, w + k_len * kCols, k_len, out, ldo, pf, pf_end);
+    tile512_rows<2, W>(rows, x, ldx, w, w + k_len * kCols, k_len, out, ldo, pf, pf_end, wa);
   else
-    tile512_rows<1, W>(rows, x, ldx, w, w, k_len, out, ldo, pf, pf_end);
+    tile512_rows<1, W>(rows, x, ldx, w, w, k_len, out, ldo, pf, pf_end, wa);
 }
 
 // The AVX-512 tile as run_gemm takes it (two panels an item).
@@ -258,8 +281,8 @@ struct Avx512Tile {
   __attribute__((always_inline)) void operator()(int panels, int rows, const float* x,
                                                  int64_t ldx, const W* w, int64_t k_len,
                                                  float* out, int64_t ldo, const char* pf,
-                                                 const char* pf_end) const {
-    tile512_any<W>(panels, rows, x, ldx, w, k_len, out, ldo, pf, pf_end);
+                                                 const char* pf_end, WriteAhead wa = {}) const {
+    tile512_any<W>(panels, rows, x, ldx, w, k_len, out, ldo, pf, pf_end, wa);
   }
 };
 #endif  // __AVX512F__
@@ -329,7 +352,7 @@ void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
           const char* pf_up = pf != nullptr ? pf + half * panel_bytes : nullptr;
           tile(np, rows, x + r0 * k, k, w, k, gate, kWidth, pf + pf0, pf + pf1);
           tile(np, rows, x + r0 * k, k, w + half * panel_elems, k, up, kWidth, pf_up + pf0,
-               pf_up + pf1);
+               pf_up + pf1, WriteAhead{out + r0 * ldo + p * kCols, ldo});
           const int64_t c = np * kCols;
           for (int r = 0; r < rows; ++r) {
             float* g = gate + r * kWidth;
@@ -343,7 +366,8 @@ void run_gemm(const float* x, int64_t m, int64_t k, const W* packed, int64_t n,
             silu_mul_f32(g, u, out + (r0 + r) * ldo + p * kCols, c);
           }
         } else if (cols == np * kCols) {
-          tile(np, rows, x + r0 * k, k, w, k, out + r0 * n + p * kCols, n, pf + pf0, pf + pf1);
+          tile(np, rows, x + r0 * k, k, w, k, out + r0 * n + p * kCols, n, pf + pf0, pf + pf1,
+               WriteAhead{out + r0 * n + p * kCols, n});
         } else {  // the last panel of an N that is not a multiple of 16
           float tmp[kRowsT * kWidth];
           tile(np, rows, x + r0 * k, k, w, k, tmp, kWidth, pf + pf0, pf + pf1);

@@ -15,7 +15,7 @@ Build B first by importing keel from the other tree (it prints the folder's name
     .venv/bin/python benchmarks/kernel_ab.py keel_cpu_ops_<new> keel_cpu_ops_<old> \\
         --cases gemm head attention
 
-Cases, on the default model's shapes (bfloat16, 64 rows as a decode step of 64 requests):
+Cases, on the default model's shapes (bfloat16 unless said, 64 rows as a decode step of 64 requests):
 - `gemm`: a decode step's 120 decoder GEMMs on amx_gemm (each layer's own weight, 212 MB
   streamed from memory as in a step; [gate; up] with SiLU in the epilogue).
 - `head`: the LM head, 64 x 49,152 x 576 from memory (a 256 MB sweep before each call, not
@@ -23,6 +23,8 @@ Cases, on the default model's shapes (bfloat16, 64 rows as a decode step of 64 r
 - `attention`: paged_attention over 30 layers' bfloat16 caches, 64 rows x 364-864 keys.
 - `prefill`: prefill_attention over 5 whole prompts of 310-790 tokens (the long workload's
   lengths), float32 and bfloat16, views of one [L, q + 2 kv] output as in a prompt pass.
+- `f32gemm`: float32 GEMMs without AMX, keel's `gemm` / `gemm_silu` and (with AVX512-VNNI)
+  `i16_gemm`: the four layer kinds at 2,052 rows, and a decode step's 120 at 64 rows.
 
 Builds older than the module-local bindings do not load beside another (pybind11 refuses a
 second "PlanLinear"); such a build can be made loadable by adding `pybind11::module_local()`
@@ -116,8 +118,43 @@ def prefill_case(ops_any, g):
     return out
 
 
+def float32_gemm_case(ops_any, g):
+    """The default model's four layer kinds at a prompt step's 2,052 rows (one weight each,
+    hot), and a decode step's 120 at 64 rows (each layer's own weight, from memory), on keel's
+    float32 `gemm` / `gemm_silu` and on `i16_gemm` (where the CPU has AVX512-VNNI)."""
+    kinds = SHAPES[:4]
+    xs = {(m, k): torch.randn(m, k, generator=g) for m in (64, 2052) for k in (576, 1536)}
+    f32 = [ops_any.gemm_pack(torch.randn(n, k, generator=g) * 0.05) for n, k in SHAPES]
+    out = {}
+
+    def prompt(ops, pack, call):
+        for i, (n, k) in enumerate(kinds):
+            call(ops, xs[2052, k], pack[i], n, i == 2)
+
+    def decode(ops, pack, call):
+        for i, (n, k) in enumerate(SHAPES):
+            call(ops, xs[64, k], pack[i], n, i % 4 == 2)
+
+    def keel_f32(ops, x, p, n, silu):
+        (ops.gemm_silu if silu else ops.gemm)(x, p, n, None)
+    out["4 prompt GEMMs at 2,052 rows (gemm, gemm_silu)"] = (
+        lambda ops: prompt(ops, f32, keel_f32), None)
+    out["120 decode GEMMs at 64 rows (gemm, gemm_silu)"] = (
+        lambda ops: decode(ops, f32, keel_f32), None)
+    if ops_any.i16_gemm_available():
+        i16 = [ops_any.i16_gemm_pack(torch.randn(n, k, generator=g) * 0.05) for n, k in SHAPES]
+
+        def keel_i16(ops, x, p, n, silu):
+            ops.i16_gemm(x, p[0], p[1], n, None, silu)
+        out["4 prompt GEMMs at 2,052 rows (i16_gemm)"] = (
+            lambda ops: prompt(ops, i16, keel_i16), None)
+        out["120 decode GEMMs at 64 rows (i16_gemm)"] = (
+            lambda ops: decode(ops, i16, keel_i16), None)
+    return out
+
+
 CASES = {"gemm": gemm_case, "head": head_case, "attention": attention_case,
-         "prefill": prefill_case}
+         "prefill": prefill_case, "f32gemm": float32_gemm_case}
 
 
 def main() -> None:

@@ -195,7 +195,7 @@ __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float*
   // The tile's output lines (16 floats a panel, one a row with Silu), fetched for writing a
   // few before each block: stored cold at the tile's end, each waited on a read for ownership,
   // with the next tile's loads behind them. Same bits; at 2,052 and 4,096 rows qkv ran
-  // 1.20-1.26x faster, o 1.16-1.18x, [gate; up] + SiLU 1.11-1.14x, down 1.04-1.08x, at 64 rows
+  // 1.20-1.26x faster, o 1.15-1.18x, [gate; up] + SiLU 1.10-1.14x, down 1.04-1.08x, at 64 rows
   // from memory 1.01-1.04x (BENCHMARKS.md, fifty-third round; gemm.cpp's tile does the same).
   constexpr int kOutPanels = Silu ? 1 : P;
   const int64_t out_lines = R * kOutPanels, blks = (pairs + kPairs - 1) / kPairs;

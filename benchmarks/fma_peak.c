@@ -7,7 +7,8 @@
 // benchmarks/gemm_efficiency.py times between keel's GEMMs in one process.
 //
 // The chains start from values the compiler cannot know (a volatile array): from equal
-// constants GCC merged twelve chains into one and the probe read 12x too high.
+// constants GCC merged the twelve chains into one, and the probe counted 12 times the FMAs
+// it ran.
 //
 //   gcc -O2 -march=native -fopenmp benchmarks/fma_peak.c -o /tmp/fma_peak
 //   OMP_NUM_THREADS=2 /tmp/fma_peak
@@ -85,7 +86,7 @@ int main(void) {
     printf("run %d: 1 thread %.1f GFLOP/s, %d threads %.1f GFLOP/s\n", run, r1, all, ra);
   }
   printf("float32 FMA peak (%d lanes): 1 thread %.1f GFLOP/s, %d threads %.1f GFLOP/s (best of 5)"
-         "  [%g]\n", LANES, best1, all, best_all, sink > 0 ? 0.0 : 1.0);
+         " (checksum %g)\n", LANES, best1, all, best_all, (double)sink);
   return 0;
 }
 #endif

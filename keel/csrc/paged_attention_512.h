@@ -1,0 +1,246 @@
+// decode_row16: paged_attention.cpp's row kernel in 16 float lanes, on any CPU with AVX-512.
+// Included by paged_attention.cpp only.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+
+#include "paged_attention_common.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+#define KEEL_ATTN512 1
+// decode_row in 16 float lanes (`decode_row16`), for a float32 or bfloat16 cache under a float32
+// query, or a bfloat16 cache under a bfloat16 query, on any CPU with AVX-512: every product is a
+// float32 FMA. A 32-dim piece of a row is two float vectors in "lane order": a float32 piece in
+// order, a bfloat16 one as its 16 even dims, then its 16 odd ones (a shift and a mask per 32
+// values, no widening load). The query and the value accumulators are kept in the same order.
+template <typename T>
+inline void piece32(const T* p, __m512& a, __m512& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = _mm512_loadu_ps(p);
+    b = _mm512_loadu_ps(p + 16);
+  } else if constexpr (std::is_same_v<T, int8_t>) {  // in order, unscaled
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(w)));
+    b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(w, 1)));
+  } else {
+    const __m512i w = _mm512_loadu_si512(p);
+    a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+// Lane i < 8 of the result: the sum of a[i]'s 16 lanes (24 shuffles and adds for 8 sums).
+inline __m256 reduce8x16(const __m512* a) {
+  __m512 b[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // 128-bit group k: pair sums of a[2i]'s and a[2i+1]'s group k
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xDD));
+  // Group k of c0 (c1): group k's sums of a[0..3] (a[4..7]).
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_ps(b[0], b[1], 0x88), _mm512_shuffle_ps(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_ps(b[2], b[3], 0x88), _mm512_shuffle_ps(b[2], b[3], 0xDD));
+  // [c0 g0+g1, c0 g2+g3, c1 g0+g1, c1 g2+g3], then groups 0 and 1 of y: keys 0-3 and 4-7.
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x, x, 0x88), _mm512_shuffle_f32x4(x, x, 0xDD));
+  return _mm512_castps512_ps256(y);
+}
+
+// Scores of 8 consecutive keys (rows of D elements from k, D % 32 == 0) against GT query heads
+// (q: GT rows of D floats in lane order, scaled): s[g * s_stride + i]. Each key's row is
+// loaded once for the GT heads.
+template <int GT, typename T>
+inline void scores_tile(const float* q, int64_t D, const T* k, float* s, int64_t s_stride) {
+  __m512 a[GT][8];
+#pragma GCC unroll 3
+  for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) a[g][i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 32) {
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      __m512 x0, x1;
+      piece32(k + i * D + c, x0, x1);
+#pragma GCC unroll 3
+      for (int g = 0; g < GT; ++g) {
+        a[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c), x0, a[g][i]);
+        a[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c + 16), x1, a[g][i]);
+      }
+    }
+  }
+#pragma GCC unroll 3
+  for (int g = 0; g < GT; ++g) _mm256_storeu_ps(s + g * s_stride, reduce8x16(a[g]));
+}
+
+// acc[GT query heads][32 * NP dims from d0, lane order] += sum over the chunk's keys j in
+// [lo, hi) of p[g][j] * v[j], the keys' rows found block by block (vblk, bs keys each).
+template <int GT, int NP, typename T>
+inline void values_tile16(const float* p, int64_t p_stride, const T* const* vblk, int64_t bs,
+                          int64_t D, int64_t d0, int64_t lo, int64_t hi, float* acc,
+                          int64_t acc_stride) {
+  __m512 a[GT][2 * NP];
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < 2 * NP; ++c) a[g][c] = _mm512_loadu_ps(acc + g * acc_stride + 16 * c);
+  for (int64_t bi = lo / bs; bi * bs < hi; ++bi) {
+    const int64_t t0 = std::max<int64_t>(lo - bi * bs, 0), t1 = std::min(hi - bi * bs, bs);
+    const T* vb = vblk[bi] + d0;
+    const float* pb = p + bi * bs;
+    for (int64_t t = t0; t < t1; ++t) {
+      __m512 x[2 * NP];
+#pragma GCC unroll 2
+      for (int c = 0; c < NP; ++c) piece32(vb + t * D + 32 * c, x[2 * c], x[2 * c + 1]);
+#pragma GCC unroll 4
+      for (int g = 0; g < GT; ++g) {
+        const __m512 pg = _mm512_set1_ps(pb[g * p_stride + t]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 2 * NP; ++c) a[g][c] = _mm512_fmadd_ps(pg, x[c], a[g][c]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < 2 * NP; ++c) _mm512_storeu_ps(acc + g * acc_stride + 16 * c, a[g][c]);
+}
+
+// decode_row's chunks, online softmax and prefetch (the next item's first chunk too, as in
+// decode_row_bf16), in 16 lanes: scores 8 keys by up to 3 query heads at a time, values up to
+// 4 heads by 64 dims. Needs D % 32 == 0 and block_size % 8 == 0.
+template <typename TQ, typename T>
+void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row, int64_t bs,
+                  int64_t block_elems, int64_t start, int64_t len, int64_t h0, int64_t h1,
+                  int64_t G, int64_t D, float scale, TQ* out, Scratch& w, const NextItem& nx,
+                  const float* k_scale = nullptr, const float* v_scale = nullptr) {
+  constexpr bool is_f32 = std::is_same_v<T, float>;
+  constexpr bool is_i8 = std::is_same_v<T, int8_t>;  // scales: k_scale, v_scale
+  constexpr bool natural = !std::is_same_v<T, c10::BFloat16>;  // lanes in dim order
+  const int64_t nh = h1 - h0, nq = nh * G, run = bs * D;  // run: one head's keys of a block
+  const int64_t cb = std::max<int64_t>(1, chunk_keys<T>() / bs), span = cb * bs;
+  const int64_t ss = (span + 15) / 16 * 16;  // a head's scores in w.s
+  const float ninf = -std::numeric_limits<float>::infinity();
+  w.q.resize(nq * D);
+  w.acc.assign(nq * D, 0.f);
+  w.m.assign(nq, ninf);
+  w.l.assign(nq, 0.f);
+  w.s.resize(G * ss);
+  for (int64_t x = 0; x < nq * D; x += 32) {  // the query in lane order, scaled
+    for (int i = 0; i < 16; ++i) {
+      w.q[x + i] = static_cast<float>(q[x + (natural ? i : 2 * i)]) * scale;
+      w.q[x + 16 + i] = static_cast<float>(q[x + (natural ? 16 + i : 2 * i + 1)]) * scale;
+    }
+  }
+  const int64_t b_end = (len + bs - 1) / bs;
+  const int64_t np = D % 64 == 0 ? 2 : 1;
+  const int64_t steps = nh * ((G + 2) / 3 * (span / 8) + (G + 3) / 4 * (D / (32 * np)));
+  float* s = w.s.data();
+  Prefetcher<is_f32 ? 2 : 3> pf;
+  pf.bytes = nh * run * static_cast<int64_t>(sizeof(T));
+  const T* kblk[kChunkBlocks];
+  const T* vblk[kChunkBlocks];
+  for (int64_t b = start / bs; b < b_end; b += cb) {
+    const Chunk ch = chunk_at(b, cb, b_end, bs, start, len);
+    const int64_t nb = ch.nb, next = ch.next, lo = ch.lo, hi = ch.hi;
+    pf.aim_next(k_ptr, v_ptr, row, b, nb, next, nx, block_elems, run, h0, steps);
+    if constexpr (is_i8) {  // the next chunk's scales
+      if (next == 0 && nx.row != nullptr)
+        prefetch_scales(k_scale, v_scale, nx.row + nx.b0, nx.nb, block_elems / D, nx.h0, nh, bs);
+      else
+        prefetch_scales(k_scale, v_scale, row + b + nb, next, block_elems / D, h0, nh, bs);
+    }
+    // Keys [lo, hi) of the chunk are visible; scores are computed 8 at a time over [lo8, hi8)
+    // and the softmax goes 16 at a time over [lo16, hi16), the other keys' scores -inf.
+    const int64_t lo8 = lo / 8 * 8, hi8 = (hi + 7) / 8 * 8;
+    const int64_t lo16 = lo / 16 * 16, hi16 = (hi + 15) / 16 * 16;
+    for (int64_t h = h0; h < h1; ++h) {
+      head_runs(k_ptr, v_ptr, row + b, nb, block_elems, h * run, kblk, vblk);
+      const int64_t x0 = (h - h0) * G;
+      for (int64_t g = 0; g < G; g += 3) {
+        const float* qg = w.q.data() + (x0 + g) * D;
+        for (int64_t j = lo8; j < hi8; j += 8) {
+          pf.step();
+          const T* kj = kblk[j / bs] + (j % bs) * D;  // 8 keys of one block (bs % 8 == 0)
+          switch (std::min<int64_t>(G - g, 3)) {
+            case 3: scores_tile<3>(qg, D, kj, s + g * ss + j, ss); break;
+            case 2: scores_tile<2>(qg, D, kj, s + g * ss + j, ss); break;
+            default: scores_tile<1>(qg, D, kj, s + g * ss + j, ss);
+          }
+        }
+      }
+      // An int8 cache: each key's score times its scale, each value's weight (below) times
+      // its own; the keys outside [lo, hi), whose scales may be anything, are -inf.
+      const float* ksb[kChunkBlocks];
+      const float* vsb[kChunkBlocks];
+      if constexpr (is_i8) {
+        run_scales(k_scale, v_scale, k_ptr, v_ptr, kblk, vblk, nb, D, ksb, vsb);
+        scale_by_block(s, ss, G, ksb, bs, lo8, hi8);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s + g * ss;
+        for (int64_t j = lo16; j < lo; ++j) sg[j] = ninf;
+        for (int64_t j = hi; j < hi16; ++j) sg[j] = ninf;
+        // Online softmax: the running maximum m, sum l, and the accumulator rescaled when
+        // the maximum grows.
+        __m512 mv = _mm512_set1_ps(w.m[x0 + g]);
+        for (int64_t j = lo16; j < hi16; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + j));
+        const float mx = _mm512_reduce_max_ps(mv);
+        // 0 on the first chunk; 1 (no call: the same bits) while the maximum holds.
+        const float alpha = mx == w.m[x0 + g] ? 1.f : std::exp(w.m[x0 + g] - mx);
+        w.m[x0 + g] = mx;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = lo16; j < hi16; j += 16) {
+          const __m512 e = _mm512_loadu_ps(sg + j);
+          const __mmask16 live = _mm512_cmp_ps_mask(e, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
+          const v16 x = (v16)_mm512_sub_ps(e, _mm512_set1_ps(mx));
+          const __m512 p = _mm512_maskz_mov_ps(live, (__m512)keel::expv(x));
+          _mm512_storeu_ps(sg + j, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        w.l[x0 + g] = w.l[x0 + g] * alpha + _mm512_reduce_add_ps(sum);
+        // (past the sum; values_tile16 reads the weights of keys [lo, hi) only)
+        if constexpr (is_i8) scale_by_block(sg, ss, 1, vsb, bs, lo8, hi8);
+        if (alpha != 1.f) {
+          float* a = w.acc.data() + (x0 + g) * D;
+          const __m512 al = _mm512_set1_ps(alpha);
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), al));
+        }
+      }
+      float* a = w.acc.data() + x0 * D;
+      for (int64_t g = 0; g < G; g += 4)
+        for (int64_t d = 0; d < D; d += 32 * np) {
+          pf.step();
+          const float* pg = s + g * ss;
+          float* ag = a + g * D + d;
+          with_tile(std::min<int64_t>(G - g, 4), np, [&](auto gt, auto np2) {
+            values_tile16<gt, np2>(pg, ss, vblk, bs, D, d, lo, hi, ag, D);
+          });
+        }
+    }
+  }
+  // Back in order (a bfloat16 piece's even and odd dims interleaved) and divided by the sum.
+  const __m512i lo_dims = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi_dims = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                            15, 31);
+  for (int64_t x = 0; x < nq; ++x) {
+    const __m512 inv = _mm512_set1_ps(1.f / w.l[x]);
+    for (int64_t d = 0; d < D; d += 32) {
+      const float* a = w.acc.data() + x * D + d;
+      __m512 y0 = _mm512_loadu_ps(a), y1 = _mm512_loadu_ps(a + 16);
+      if constexpr (!natural) {
+        const __m512 e = y0;
+        y0 = _mm512_permutex2var_ps(e, lo_dims, y1);
+        y1 = _mm512_permutex2var_ps(e, hi_dims, y1);
+      }
+      keel::store16(out + x * D + d, (v16)_mm512_mul_ps(y0, inv));
+      keel::store16(out + x * D + d + 16, (v16)_mm512_mul_ps(y1, inv));
+    }
+  }
+}
+#else
+#define KEEL_ATTN512 0
+#endif
+}  // namespace

@@ -4,9 +4,10 @@
   rows, and the tokens of short prompts) reading K/V in place through the block table. The
   portable torch path gathers every request's context into a padded copy first; for decode
   rows that copy cost more than the attention itself (~45% of a SmolLM2 decode step).
-- `rms_norm`, `fused_add_rms_norm_`, `rotary_neox_`, `silu_and_mul` (csrc/fused_ops.cpp): the
-  decoder layer's elementwise steps, one op each instead of 5-15 torch ops, rounding where
-  those torch expressions round.
+- `rms_norm`, `fused_add_rms_norm_`, `rotary_neox_`, `silu_and_mul`, `argmax_rows`
+  (csrc/fused_ops.cpp): the decoder layer's elementwise steps, one op each instead of 5-15
+  torch ops, rounding where those torch expressions round; `write_kv_cache`
+  (csrc/write_kv_cache.cpp): a pass's K/V into their cache slots.
 - `quant_linear` (csrc/quant_gemm.cpp, AVX2 + FMA; `quant_gemm_available()` says whether
   this build has it): weight-only quantized matmul (int4 groups of 32, int8 per row) for
   passes of at most 4 rows (one user's decode), with the activations as integers per group
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp",
-            "prefill_attention_amx.cpp", "fused_ops.cpp",
+            "prefill_attention_amx.cpp", "fused_ops.cpp", "write_kv_cache.cpp",
             "quant_gemm.cpp", "quant_gemm_q8.cpp", "decode_layers.cpp", "gemm.cpp",
             "amx_gemm.cpp", "fp16_gemm.cpp", "i16_gemm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]

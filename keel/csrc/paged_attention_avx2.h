@@ -1,6 +1,6 @@
-// decode_row: paged_attention.cpp's row kernel in 8 float lanes (AVX2 or generic vectors), for
-// shapes the 16-lane kernels also take when the CPU has no AVX-512. Included by
-// paged_attention.cpp only.
+// decode_row: paged_attention.cpp's row kernel in 8 float lanes (AVX2, or GCC's generic
+// vectors): every cache dtype on a CPU without AVX-512, and a float16 cache on one with it.
+// Included by paged_attention.cpp only.
 #pragma once
 
 #include <immintrin.h>

@@ -21,18 +21,13 @@
 #include <immintrin.h>
 #endif
 
+// Row t of key/value [T, Hkv, D] (rows may be strided) goes to slot slot_mapping[t] (block *
+// block_size + offset) of key_cache/value_cache [num_blocks, Hkv, block_size, D], one head at
+// a time. One copy per row and head, where index_copy_ paid ~35 us a call.
 namespace {
 
 using keel::load16;
 using keel::v16;
-
-}  // namespace
-
-// Writes this pass's keys and values into their cache slots: row t of key/value [T, Hkv, D]
-// (rows may be strided) goes to slot slot_mapping[t] (block * block_size + offset) of
-// key_cache/value_cache [num_blocks, Hkv, block_size, D], one head at a time. One copy per row
-// and head, where index_copy_ paid ~35 us a call.
-namespace {
 
 // One row of D values -> int8 (round to nearest, ties to even) and its scale amax / 127, so
 // that q * scale is the row to within half a scale step; a row of zeros has scale 0.

@@ -187,9 +187,7 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
         __m512 mv = _mm512_set1_ps(w.m[x0 + g]);
         for (int64_t j = lo16; j < hi16; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + j));
         const float mx = _mm512_reduce_max_ps(mv);
-        // 0 on the first chunk; 1 (no call: the same bits) while the maximum holds.
-        const float alpha = mx == w.m[x0 + g] ? 1.f : std::exp(w.m[x0 + g] - mx);
-        w.m[x0 + g] = mx;
+        const float alpha = advance_max(w.m[x0 + g], mx);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = lo16; j < hi16; j += 16) {
           const __m512 e = _mm512_loadu_ps(sg + j);
@@ -202,12 +200,7 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
         w.l[x0 + g] = w.l[x0 + g] * alpha + _mm512_reduce_add_ps(sum);
         // (past the sum; values_tile16 reads the weights of keys [lo, hi) only)
         if constexpr (is_i8) scale_by_block(sg, ss, 1, vsb, bs, lo8, hi8);
-        if (alpha != 1.f) {
-          float* a = w.acc.data() + (x0 + g) * D;
-          const __m512 al = _mm512_set1_ps(alpha);
-          for (int64_t d = 0; d < D; d += 16)
-            _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), al));
-        }
+        rescale16(w.acc.data() + (x0 + g) * D, D, alpha);
       }
       float* a = w.acc.data() + x0 * D;
       for (int64_t g = 0; g < G; g += 4)

@@ -198,10 +198,7 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
         }
         float mx = mv[0];
         for (int i = 1; i < 8; ++i) mx = std::max(mx, mv[i]);
-        // 0 on the first chunk; 1 (no call: the same bits) while the maximum holds, as it
-        // mostly does past the first chunks (the scalar exp was ~2% of a long decode step).
-        const float alpha = mx == w.m[x0 + g] ? 1.f : std::exp(w.m[x0 + g] - mx);
-        w.m[x0 + g] = mx;
+        const float alpha = advance_max(w.m[x0 + g], mx);
         v8 sum = {};
         for (int64_t j = lo8; j < hi8; j += 8) {
           const v8 e = load8(sg + j);

@@ -192,10 +192,7 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
         // Online softmax: the running maximum m, sum l, and the accumulator rescaled when
         // the maximum grows.
         const float mx = _mm512_reduce_max_ps(mv);
-        // 0 on the first chunk; 1 (no call: the same bits) while the maximum holds, as it
-        // mostly does past the first chunks (the scalar exp was ~2% of a long decode step).
-        const float alpha = mx == w.m[x0 + g] ? 1.f : std::exp(w.m[x0 + g] - mx);
-        w.m[x0 + g] = mx;
+        const float alpha = advance_max(w.m[x0 + g], mx);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = lo16; j < hi16; j += 16) {
           const __m512 e = _mm512_loadu_ps(sg + j);
@@ -208,12 +205,7 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
           sum = dp(sum, _mm512_castsi512_ps(_mm512_zextsi256_si512((__m256i)pb)), ones);
         }
         w.l[x0 + g] = w.l[x0 + g] * alpha + _mm512_reduce_add_ps(sum);
-        if (alpha != 1.f) {
-          float* a = w.acc.data() + (x0 + g) * D;
-          const __m512 al = _mm512_set1_ps(alpha);
-          for (int64_t d = 0; d < D; d += 16)
-            _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), al));
-        }
+        rescale16(w.acc.data() + (x0 + g) * D, D, alpha);
       }
       float* a = w.acc.data() + x0 * D;
       for (int64_t g = 0; g < G; g += 4)  // up to 4 query heads, 32 or 64 dims at a time

@@ -6,12 +6,17 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "vec.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // Internal linkage, as when these were one file: the headers are parts of paged_attention.cpp.
 namespace {
@@ -178,6 +183,26 @@ inline void head_runs(const T* k, const T* v, const int32_t* row, int64_t n, int
     vblk[i] = v + o;
   }
 }
+
+// The online softmax's step for one query head, whose chunk's largest score is mx: the running
+// maximum m becomes mx, and the result is the factor its sum and accumulator are rescaled by.
+// 0 on the first chunk (m is -inf); 1, with no call (the same bits), while the maximum holds,
+// as it mostly does past the first chunks (the scalar exp was ~2% of a long decode step).
+inline float advance_max(float& m, float mx) {
+  const float alpha = mx == m ? 1.f : std::exp(m - mx);
+  m = mx;
+  return alpha;
+}
+
+#if defined(__AVX512F__)
+// acc[0 .. D) *= alpha, 16 lanes at a time (D % 16 == 0), unless alpha is 1.
+inline void rescale16(float* acc, int64_t D, float alpha) {
+  if (alpha == 1.f) return;
+  const __m512 al = _mm512_set1_ps(alpha);
+  for (int64_t d = 0; d < D; d += 16)
+    _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), al));
+}
+#endif
 
 // f(GT, NP) with GT = gt in 1..4 and NP = np in 1..2 as compile-time constants: the value
 // tiles' shapes (up to 4 query heads by 32 or 64 dims).

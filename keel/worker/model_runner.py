@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,30 +27,15 @@ from keel.core.sched_output import SchedulerOutput
 from keel.model_executor.layers.pooler import Pooler
 from keel.model_executor.loader import load_model
 from keel.outputs import EMPTY_MODEL_RUNNER_OUTPUT, IntermediateTensors, ModelRunnerOutput
-from keel.sample.rejection_sampler import SpecDecodeMetadata
 from keel.sample.sampler import Sampler
 from keel.trace.recorder import RunnerTrace
 from keel.worker.buffers import CpuGpuBuffer
 from keel.worker.grammar_bitmask import BatchGrammarBitmask
 from keel.worker.input_batch import CachedRequestState, InputBatch
-from keel.worker.sample_step import SampleTokensMixin, greedy_lm_head_allowed
+from keel.worker.sample_step import ExecuteModelState, SampleTokensMixin, greedy_lm_head_allowed
 from keel.worker.spec_decode import RunnerSpecDecode, calc_spec_decode_metadata
 
 logger = logging.getLogger(__name__)
-
-
-class ExecuteModelState(NamedTuple):
-    """Ephemeral cached state transferred between execute_model() and sample_tokens(), after
-    execute_model() returns None."""
-
-    scheduler_output: SchedulerOutput
-    # [num_reqs, vocab], the LM head's dtype (sample_tokens widens it); None where the LM head
-    # took a greedy step's tokens itself (greedy_token_ids)
-    logits: torch.Tensor | None
-    spec_decode_metadata: SpecDecodeMetadata | None  # None: no drafts this pass
-    hidden_states: torch.Tensor  # [num_tokens, hidden]; the logits rows only with output_rows
-    sample_hidden_states: torch.Tensor  # [num_reqs, hidden]
-    greedy_token_ids: torch.Tensor | None = None  # [num_reqs] int64 where logits is None
 
 
 class ModelRunner(SampleTokensMixin):

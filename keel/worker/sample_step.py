@@ -2,7 +2,8 @@
 second call of a pass (the seed's step 5) with the grammar bitmask it applies, and, for a
 pooling model, `ModelRunner._pool`, which `execute_model` returns directly (no second call).
 A mixin of ModelRunner (keel/worker/model_runner.py), which holds the state these read: the
-parked `execute_model_state`, the persistent batch, the sampler, the pooler.
+parked `execute_model_state` (an `ExecuteModelState`, defined here with the call that
+unparks it), the persistent batch, the sampler, the pooler.
 
   sample_tokens(grammar_output)    unpark -> grammar bitmask onto the constrained rows ->
                                    sample -> drop rows still prefilling -> output
@@ -19,16 +20,31 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from keel.core.sched_output import GrammarOutput
+from keel.core.sched_output import GrammarOutput, SchedulerOutput
 from keel.outputs import ModelRunnerOutput
-from keel.sample.rejection_sampler import rejection_sample
+from keel.sample.rejection_sampler import SpecDecodeMetadata, rejection_sample
 from keel.sample.sampler import SamplerOutput
 from keel.worker.prompt_logprobs import get_prompt_logprobs_dict
 from keel.worker.spec_decode import append_token_lists
+
+
+class ExecuteModelState(NamedTuple):
+    """Ephemeral cached state transferred between execute_model() and sample_tokens(), after
+    execute_model() returns None."""
+
+    scheduler_output: SchedulerOutput
+    # [num_reqs, vocab], the LM head's dtype (sample_tokens widens it); None where the LM head
+    # took a greedy step's tokens itself (greedy_token_ids)
+    logits: torch.Tensor | None
+    spec_decode_metadata: SpecDecodeMetadata | None  # None: no drafts this pass
+    hidden_states: torch.Tensor  # [num_tokens, hidden]; the logits rows only with output_rows
+    sample_hidden_states: torch.Tensor  # [num_reqs, hidden]
+    greedy_token_ids: torch.Tensor | None = None  # [num_reqs] int64 where logits is None
 
 
 def greedy_lm_head_allowed() -> bool:

@@ -249,57 +249,26 @@ at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
     }
   });
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::Half>());
-  const int64_t groups = (panels + 1) / 2, panel_elems = pairs * 2 * kCols;
-  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
+  const int64_t panel_elems = pairs * 2 * kCols;
   float* o = out.data_ptr<float>();
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks * groups);
-  // Items: (block of rows, pair of panels), block by block; a run stays within one block.
-  // Before the last item of its run a thread claims its next run, so that its tiles can
-  // prefetch the next item's panels into L2 (a share of them each), as csrc/gemm.cpp does.
-  const int64_t items = blocks * groups;
-  keel::Claims claims(items, threads, groups);
-  keel::on_threads(threads, [&] {
-    int64_t end = 0, item = claims.claim(end);
-    while (item < items) {
-      const int64_t blk = item / groups, g = item % groups, p = 2 * g;
-      const int64_t m0 = blk * kBlockRows, mb = std::min(kBlockRows, m - m0);
-      const int np = static_cast<int>(std::min<int64_t>(2, panels - p));
-      const int64_t c0 = p * kCols, cols = std::min<int64_t>(np * kCols, n - c0);
-      const uint16_t* w0 = w + p * panel_elems;
-      const float* bc = b != nullptr ? b + c0 : nullptr;
-      float* oc = o + (silu_mul ? g * kCols : c0);
-      int64_t next = item + 1, next_end = end;
-      if (next == end) next = claims.claim(next_end);
-      const char* pf = nullptr;
-      int64_t pf_bytes = 0;
-      if (next < items) {
-        const int64_t np0 = next % groups * 2;
-        pf = reinterpret_cast<const char*>(w + np0 * panel_elems);
-        pf_bytes = std::min<int64_t>(2, panels - np0) * panel_elems * 2;
-      }
-      // As few tiles as kRows allows, as even as can be (64 rows: 10 + 6 x 9, not 6 x 10 + 4).
-      const int64_t tiles = (mb + kRows - 1) / kRows, base = mb / tiles, extra = mb % tiles;
-      const int64_t share = (pf_bytes + tiles - 1) / tiles;  // bytes prefetched per tile
-      for (int64_t t = 0, r0 = m0; t < tiles; ++t) {
-        const int rows = static_cast<int>(base + (t < extra));
+  // Items: (block of rows, pair of panels), block by block (claims.h run_panel_pairs).
+  keel::run_panel_pairs<kBlockRows, kRows>(
+      m, panels, reinterpret_cast<const char*>(w), panel_elems * 2,
+      [&](int64_t p, int np, int64_t r0, int rows, const char* pf0, const char* pf1) {
+        const uint16_t* w0 = w + p * panel_elems;
+        const int64_t c0 = p * kCols, cols = std::min<int64_t>(np * kCols, n - c0);
+        const float* bc = b != nullptr ? b + c0 : nullptr;
         const uint16_t* xr = xh + r0 * 2 * pairs;
-        const char* pf0 = pf + std::min(pf_bytes, t * share);
-        const char* pf1 = pf + std::min(pf_bytes, (t + 1) * share);
+        float* oc = o + (silu_mul ? p / 2 * kCols : c0) + r0 * ldo;
         if (silu_mul)
           tile_rows<2, true>(rows, xr, pairs, w0, w0 + panel_elems, pairs, inv + r0, bc, cols,
-                             oc + r0 * ldo, ldo, pf0, pf1);
+                             oc, ldo, pf0, pf1);
         else if (np == 2)
-          tile_rows<2>(rows, xr, pairs, w0, w0 + panel_elems, pairs, inv + r0, bc, cols,
-                       oc + r0 * ldo, ldo, pf0, pf1);
+          tile_rows<2>(rows, xr, pairs, w0, w0 + panel_elems, pairs, inv + r0, bc, cols, oc,
+                       ldo, pf0, pf1);
         else
-          tile_rows<1>(rows, xr, pairs, w0, w0, pairs, inv + r0, bc, cols, oc + r0 * ldo, ldo,
-                       pf0, pf1);
-        r0 += rows;
-      }
-      item = next;
-      end = next_end;
-    }
-  });
+          tile_rows<1>(rows, xr, pairs, w0, w0, pairs, inv + r0, bc, cols, oc, ldo, pf0, pf1);
+      });
   return out;
 }
 

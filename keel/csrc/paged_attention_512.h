@@ -190,10 +190,7 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
         const float alpha = advance_max(w.m[x0 + g], mx);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = lo16; j < hi16; j += 16) {
-          const __m512 e = _mm512_loadu_ps(sg + j);
-          const __mmask16 live = _mm512_cmp_ps_mask(e, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
-          const v16 x = (v16)_mm512_sub_ps(e, _mm512_set1_ps(mx));
-          const __m512 p = _mm512_maskz_mov_ps(live, (__m512)keel::expv(x));
+          const __m512 p = weights16(_mm512_loadu_ps(sg + j), mx);
           _mm512_storeu_ps(sg + j, p);
           sum = _mm512_add_ps(sum, p);
         }

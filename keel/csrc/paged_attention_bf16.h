@@ -195,10 +195,7 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
         const float alpha = advance_max(w.m[x0 + g], mx);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = lo16; j < hi16; j += 16) {
-          const __m512 e = _mm512_loadu_ps(sg + j);
-          const __mmask16 live = _mm512_cmp_ps_mask(e, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
-          const v16 x = (v16)_mm512_sub_ps(e, _mm512_set1_ps(mx));
-          const __m512 pf32 = _mm512_maskz_mov_ps(live, (__m512)keel::expv(x));
+          const __m512 pf32 = weights16(_mm512_loadu_ps(sg + j), mx);
           const __m256bh pb = _mm512_cvtneps_pbh(pf32);
           std::memcpy(pp + g * ss + j, &pb, sizeof(pb));
           // The rounded weights, summed: pairs of (p, 1.0) products.

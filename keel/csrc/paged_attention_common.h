@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -201,6 +202,15 @@ inline void rescale16(float* acc, int64_t D, float alpha) {
   const __m512 al = _mm512_set1_ps(alpha);
   for (int64_t d = 0; d < D; d += 16)
     _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), al));
+}
+
+// The softmax weights exp(e - mx) of 16 scores, 0 for the lanes that are -inf (keys outside
+// the row's range).
+inline __m512 weights16(__m512 e, float mx) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __mmask16 live = _mm512_cmp_ps_mask(e, ninf, _CMP_NEQ_OQ);
+  const v16 x = (v16)_mm512_sub_ps(e, _mm512_set1_ps(mx));
+  return _mm512_maskz_mov_ps(live, (__m512)keel::expv(x));
 }
 #endif
 

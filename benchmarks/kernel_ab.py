@@ -21,6 +21,8 @@ Cases, on the default model's shapes (bfloat16 unless said, 64 rows as a decode 
 - `head`: the LM head, 64 x 49,152 x 576 from memory (a 256 MB sweep before each call, not
   timed): amx_gemm then argmax_rows, and amx_gemm_argmax.
 - `attention`: paged_attention over 30 layers' bfloat16 caches, 64 rows x 364-864 keys.
+- `tokens`: paged_attention over float32 caches: 64 decode rows and 64 x 5 tokens (a
+  speculative step) over 364-864 keys, 30 layers' caches; 64 short prompts' tokens.
 - `prefill`: prefill_attention over 5 whole prompts of 310-790 tokens (the long workload's
   lengths), float32 and bfloat16, views of one [L, q + 2 kv] output as in a prompt pass.
 - `f32gemm`: float32 GEMMs without AMX, keel's `gemm` / `gemm_silu` and (with AVX512-VNNI)
@@ -99,6 +101,42 @@ def attention_case(ops_any, g):
     return {"decode attention, 30 layers (paged_attention)": (run, None)}
 
 
+def tokens_case(ops_any, g):
+    """float32 caches, 30 layers from memory: a decode step's rows, a speculative step's (the
+    token before 4 drafts, for each of 64 requests), and short prompts' tokens (16-47 each,
+    no context; one layer's cache, as a prompt pass writes and reads it)."""
+    heads, kv_heads, dim, block, reqs = 9, 3, 64, 16, 64
+    lens = torch.randint(364, 864, (reqs,), generator=g)
+    per = -(-869 // block)
+    table = torch.arange(reqs * per, dtype=torch.int32).view(reqs, per)
+    caches = [tuple(torch.randn(reqs * per, kv_heads, block, dim, generator=g)
+                    for _ in range(2)) for _ in range(30)]
+    q1 = torch.randn(reqs, heads, dim, generator=g)
+    rows5 = torch.arange(reqs, dtype=torch.int32).repeat_interleave(5)
+    lens5 = (lens[:, None] + torch.arange(5)).flatten()
+    q5 = torch.randn(5 * reqs, heads, dim, generator=g)
+    plens = torch.randint(16, 48, (reqs,), generator=g)
+    rows_p = torch.arange(reqs, dtype=torch.int32).repeat_interleave(plens)
+    lens_p = torch.cat([torch.arange(1, n + 1) for n in plens.tolist()])
+    qp = torch.randn(len(rows_p), heads, dim, generator=g)
+
+    def decode(ops):
+        for k, v in caches:
+            ops.paged_attention(q1, k, v, table, lens, None, dim ** -0.5, 0)
+
+    def verify(ops):
+        for k, v in caches:
+            ops.paged_attention(q5, k, v, table, lens5, rows5, dim ** -0.5, 0)
+
+    def prompts(ops):
+        k, v = caches[0]
+        for _ in range(30):
+            ops.paged_attention(qp, k, v, table, lens_p, rows_p, dim ** -0.5, 0)
+    return {"float32 decode rows, 64 x 364-864 keys, 30 layers": (decode, None),
+            "float32 speculative step, 64 x 5 tokens, 30 layers": (verify, None),
+            f"float32 short prompts, {len(rows_p)} tokens, 30 passes": (prompts, None)}
+
+
 def prefill_case(ops_any, g):
     heads, kv_heads, dim = 9, 3, 64
     out = {}
@@ -154,7 +192,7 @@ def float32_gemm_case(ops_any, g):
 
 
 CASES = {"gemm": gemm_case, "head": head_case, "attention": attention_case,
-         "prefill": prefill_case, "f32gemm": float32_gemm_case}
+         "tokens": tokens_case, "prefill": prefill_case, "f32gemm": float32_gemm_case}
 
 
 def main() -> None:

@@ -16,6 +16,10 @@
 // Other shapes take a plain loop. Work is split over rows (or (row, KV
 // head) pairs when rows are few), claimed by torch's threads in runs (claims.h); the
 // G = num_heads / num_kv_heads query heads of a group share every key and value they read.
+// Where a pass has several tokens of one request (a speculative step's drafts, a short prompt),
+// `decode_row` and `decode_row16` take up to 16 of them as one item (`Tokens`): each key and
+// value is read once for all their query heads, each token's scores past its own keys weighted
+// 0, and each token's output has the bits it would have alone (a float32 cache).
 // This file holds that dispatch and the plain loop; the row kernels are in
 // paged_attention_avx2.h (`decode_row`), paged_attention_512.h (`decode_row16`) and
 // paged_attention_bf16.h (`decode_row_bf16`), their chunks and prefetch in
@@ -27,7 +31,8 @@
 //   value_cache  [num_blocks, Hkv, block_size, D]   a block are one contiguous run (4 KiB)
 //   block_table  [R, max_blocks] int32     one row per request
 //   seq_lens     [T] int64                 keys visible to row t: [start, seq_lens[t])
-//   rows         [T] int32 or None         row t's request (its block-table row); None: t
+//   rows         [T] int32 or None         row t's request (its block-table row); None: t.
+//                                          Consecutive tokens of a request are read together
 //   returns      [T, H, D]
 #include "claims.h"
 #include "vec.h"
@@ -69,11 +74,37 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
   TQ* o_ptr = out.data_ptr<TQ>();
   const int64_t block_elems = Hkv * bs * D;  // between blocks; a head's run is bs * D
 
-  // Common shapes take decode_row; an item is one row with all its KV heads where there are
-  // rows enough to share out (its K and V then stream as whole blocks), else (row, KV head).
   const bool fast = D % 32 == 0 && bs % 8 == 0;  // any group size G
-  const int64_t max_threads = std::min<int64_t>(at::get_num_threads(), R * Hkv);
-  const int64_t hpi = fast && R >= 4 * max_threads ? Hkv : 1;  // KV heads per item
+#if KEEL_BF16_DOT
+  // Read once per call: the choice's environment override is a getenv.
+  const bool bf16_dot = std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16> && bf16_dot_chosen();
+#else
+  constexpr bool bf16_dot = false;
+#endif
+  // A pass with several query tokens of a request (rows given) groups them where the row
+  // kernels take groups (decode_row, decode_row16): up to kGroupTokens consecutive tokens of
+  // one request, whose keys and values are read once for the group. At 64 requests of 5
+  // tokens (a speculative step) over ~600 keys each, the tokens one by one read K/V five times.
+  // First token of each group, then R; kept between calls (no allocation per layer once
+  // grown). A reference, so that the claiming threads' lambdas see this thread's buffer.
+  static thread_local std::vector<int64_t> group_buffer;
+  std::vector<int64_t>& groups = group_buffer;
+  groups.clear();
+  if (rows != nullptr && fast && !bf16_dot) {
+    for (int64_t t = 0; t < R; ++t)
+      if (t == 0 || rows[t] != rows[t - 1] || t - groups.back() == kGroupTokens)
+        groups.push_back(t);
+    groups.push_back(R);
+  }
+  const int64_t NG = groups.empty() ? R : static_cast<int64_t>(groups.size()) - 1;
+  auto group_first = [&](int64_t gi) { return groups.empty() ? gi : groups[gi]; };
+  auto group_size = [&](int64_t gi) { return groups.empty() ? 1 : groups[gi + 1] - groups[gi]; };
+
+  // Common shapes take decode_row; an item is one group (a row) with all its KV heads where
+  // there are groups enough to share out (its K and V then stream as whole blocks), else
+  // (group, KV head).
+  const int64_t max_threads = std::min<int64_t>(at::get_num_threads(), NG * Hkv);
+  const int64_t hpi = fast && NG >= 4 * max_threads ? Hkv : 1;  // KV heads per item
   const int64_t per_row = Hkv / hpi;
 
   // Query row r's first visible key, and its row of the block table.
@@ -81,31 +112,41 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
     return sliding_window > 0 ? std::max<int64_t>(0, sl[r] - sliding_window) : int64_t{0};
   };
   auto table_row = [&](int64_t r) { return bt + (rows != nullptr ? rows[r] : r) * max_blocks; };
+  // Group gi's keys: the union [start, len) of its tokens'.
+  auto group_keys = [&](int64_t gi) {
+    const int64_t t0 = group_first(gi), nt = group_size(gi);
+    int64_t start = first_key(t0), len = sl[t0];
+    for (int64_t t = t0 + 1; t < t0 + nt; ++t) {
+      start = std::min(start, first_key(t));
+      len = std::max(len, sl[t]);
+    }
+    return std::pair<int64_t, int64_t>{start, len};
+  };
 #if KEEL_ATTN512  // (KEEL_BF16_DOT needs AVX-512 too)
   // The first chunk of item i (if i < end and it has keys), to prefetch during the last one's.
   auto next_item = [&](int64_t i, int64_t end) {
     NextItem nx;
-    if (const int64_t r2 = i / per_row; i < end && sl[r2] > first_key(r2)) {
-      nx.row = table_row(r2);
-      nx.b0 = first_key(r2) / bs;
-      nx.nb = std::min(std::max<int64_t>(1, chunk_keys<T>() / bs), (sl[r2] + bs - 1) / bs - nx.b0);
+    if (i >= end) return nx;
+    const int64_t g2 = i / per_row;
+    if (const auto [start2, len2] = group_keys(g2); len2 > start2) {
+      nx.row = table_row(group_first(g2));
+      nx.b0 = start2 / bs;
+      nx.nb = std::min(std::max<int64_t>(1, chunk_keys<T>() / bs), (len2 + bs - 1) / bs - nx.b0);
       nx.h0 = i % per_row * hpi;
     }
     return nx;
   };
 #endif
-#if KEEL_BF16_DOT
-  // Read once per call: the choice's environment override is a getenv.
-  const bool bf16_dot = std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16> && bf16_dot_chosen();
-#endif
   auto run_items = [&](int64_t begin, int64_t end, Scratch& w, std::vector<float>& qf,
                        std::vector<float>& acc, std::vector<float>& scores) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / per_row, hk = item % per_row * hpi;  // query row, first kv head
-      const int64_t len = sl[r], start = first_key(r);
+      const int64_t gi = item / per_row, hk = item % per_row * hpi;  // group, first kv head
+      const int64_t r = group_first(gi);  // its first query row
+      const auto [start, len] = group_keys(gi);
       const int64_t n = len - start;
       if (n <= 0) continue;
       const int32_t* row = table_row(r);
+      const Tokens tk{group_size(gi), q_stride, H * D, sl + r, sliding_window};
       if (fast) {
 #if KEEL_BF16_DOT
         if constexpr (std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16>) {
@@ -125,13 +166,13 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
           decode_row16<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs,
                               block_elems, start, len, hk, hk + hpi, G, D,
                               static_cast<float>(scale), o_ptr + (r * H + hk * G) * D, w, nx,
-                              k_scale, v_scale);
+                              tk, k_scale, v_scale);
           continue;
         }
 #endif
         decode_row<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
                           start, len, hk, hk + hpi, G, D, static_cast<float>(scale),
-                          o_ptr + (r * H + hk * G) * D, w, k_scale, v_scale);
+                          o_ptr + (r * H + hk * G) * D, w, tk, k_scale, v_scale);
         continue;
       }
       const T* k_head = k_ptr + hk * bs * D;  // this KV head's run in block 0
@@ -183,7 +224,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
   };
   // The threads claim runs of items (claims.h): rows' contexts differ, and so do the cores'
   // speeds on a shared host.
-  const int64_t items = R * per_row;
+  const int64_t items = NG * per_row;
   const int64_t threads = std::min<int64_t>(max_threads, items);
   keel::Claims claims(items, threads, 0);
   keel::on_threads(threads, [&] {

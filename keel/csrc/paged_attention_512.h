@@ -108,17 +108,21 @@ inline void values_tile16(const float* p, int64_t p_stride, const T* const* vblk
 }
 
 // decode_row's chunks, online softmax and prefetch (the next item's first chunk too, as in
-// decode_row_bf16), in 16 lanes: scores 8 keys by up to 3 query heads at a time, values up to
-// 4 heads by 64 dims. Needs D % 32 == 0 and block_size % 8 == 0.
+// decode_row_bf16), in 16 lanes: scores 8 keys by up to 3 query vectors at a time, values up
+// to 4 vectors by 64 dims. The tokens `tk` (one, or several of one request) share every key
+// and value read: a KV head's query vectors are its G query heads of each token in turn, keys
+// [start, len) their union. Needs D % 32 == 0 and block_size % 8 == 0.
 template <typename TQ, typename T>
 void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row, int64_t bs,
                   int64_t block_elems, int64_t start, int64_t len, int64_t h0, int64_t h1,
                   int64_t G, int64_t D, float scale, TQ* out, Scratch& w, const NextItem& nx,
-                  const float* k_scale = nullptr, const float* v_scale = nullptr) {
+                  const Tokens& tk, const float* k_scale = nullptr,
+                  const float* v_scale = nullptr) {
   constexpr bool is_f32 = std::is_same_v<T, float>;
   constexpr bool is_i8 = std::is_same_v<T, int8_t>;  // scales: k_scale, v_scale
   constexpr bool natural = !std::is_same_v<T, c10::BFloat16>;  // lanes in dim order
-  const int64_t nh = h1 - h0, nq = nh * G, run = bs * D;  // run: one head's keys of a block
+  const int64_t nt = tk.n, GQ = G * nt;  // query vectors per KV head
+  const int64_t nh = h1 - h0, nq = nh * GQ, run = bs * D;  // run: one head's keys of a block
   const int64_t cb = std::max<int64_t>(1, chunk_keys<T>() / bs), span = cb * bs;
   const int64_t ss = (span + 15) / 16 * 16;  // a head's scores in w.s
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -126,16 +130,20 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
   w.acc.assign(nq * D, 0.f);
   w.m.assign(nq, ninf);
   w.l.assign(nq, 0.f);
-  w.s.resize(G * ss);
-  for (int64_t x = 0; x < nq * D; x += 32) {  // the query in lane order, scaled
-    for (int i = 0; i < 16; ++i) {
-      w.q[x + i] = static_cast<float>(q[x + (natural ? i : 2 * i)]) * scale;
-      w.q[x + 16 + i] = static_cast<float>(q[x + (natural ? 16 + i : 2 * i + 1)]) * scale;
+  w.s.resize(GQ * ss);
+  for (int64_t h = 0; h < nh; ++h)  // the query in lane order, scaled: [head][token][G, D]
+    for (int64_t t = 0; t < nt; ++t) {
+      const TQ* qt = q + t * tk.q_stride + h * G * D;
+      float* wq = w.q.data() + (h * nt + t) * G * D;
+      for (int64_t x = 0; x < G * D; x += 32)
+        for (int i = 0; i < 16; ++i) {
+          wq[x + i] = static_cast<float>(qt[x + (natural ? i : 2 * i)]) * scale;
+          wq[x + 16 + i] = static_cast<float>(qt[x + (natural ? 16 + i : 2 * i + 1)]) * scale;
+        }
     }
-  }
   const int64_t b_end = (len + bs - 1) / bs;
   const int64_t np = D % 64 == 0 ? 2 : 1;
-  const int64_t steps = nh * ((G + 2) / 3 * (span / 8) + (G + 3) / 4 * (D / (32 * np)));
+  const int64_t steps = nh * ((GQ + 2) / 3 * (span / 8) + (GQ + 3) / 4 * (D / (32 * np)));
   float* s = w.s.data();
   Prefetcher<is_f32 ? 2 : 3> pf;
   pf.bytes = nh * run * static_cast<int64_t>(sizeof(T));
@@ -157,13 +165,13 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
     const int64_t lo16 = lo / 16 * 16, hi16 = (hi + 15) / 16 * 16;
     for (int64_t h = h0; h < h1; ++h) {
       head_runs(k_ptr, v_ptr, row + b, nb, block_elems, h * run, kblk, vblk);
-      const int64_t x0 = (h - h0) * G;
-      for (int64_t g = 0; g < G; g += 3) {
+      const int64_t x0 = (h - h0) * GQ;
+      for (int64_t g = 0; g < GQ; g += 3) {
         const float* qg = w.q.data() + (x0 + g) * D;
         for (int64_t j = lo8; j < hi8; j += 8) {
           pf.step();
           const T* kj = kblk[j / bs] + (j % bs) * D;  // 8 keys of one block (bs % 8 == 0)
-          switch (std::min<int64_t>(G - g, 3)) {
+          switch (std::min<int64_t>(GQ - g, 3)) {
             case 3: scores_tile<3>(qg, D, kj, s + g * ss + j, ss); break;
             case 2: scores_tile<2>(qg, D, kj, s + g * ss + j, ss); break;
             default: scores_tile<1>(qg, D, kj, s + g * ss + j, ss);
@@ -176,12 +184,13 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
       const float* vsb[kChunkBlocks];
       if constexpr (is_i8) {
         run_scales(k_scale, v_scale, k_ptr, v_ptr, kblk, vblk, nb, D, ksb, vsb);
-        scale_by_block(s, ss, G, ksb, bs, lo8, hi8);
+        scale_by_block(s, ss, GQ, ksb, bs, lo8, hi8);
       }
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = 0; g < GQ; ++g) {
         float* sg = s + g * ss;
-        for (int64_t j = lo16; j < lo; ++j) sg[j] = ninf;
-        for (int64_t j = hi; j < hi16; ++j) sg[j] = ninf;
+        const auto [lo_t, hi_t] = token_keys(tk, g / G, b, nb, bs);  // this token's keys
+        for (int64_t j = lo16; j < std::min(lo_t, hi16); ++j) sg[j] = ninf;
+        for (int64_t j = std::max(hi_t, lo16); j < hi16; ++j) sg[j] = ninf;
         // Online softmax: the running maximum m, sum l, and the accumulator rescaled when
         // the maximum grows.
         __m512 mv = _mm512_set1_ps(w.m[x0 + g]);
@@ -200,12 +209,12 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
         rescale16(w.acc.data() + (x0 + g) * D, D, alpha);
       }
       float* a = w.acc.data() + x0 * D;
-      for (int64_t g = 0; g < G; g += 4)
+      for (int64_t g = 0; g < GQ; g += 4)
         for (int64_t d = 0; d < D; d += 32 * np) {
           pf.step();
           const float* pg = s + g * ss;
           float* ag = a + g * D + d;
-          with_tile(std::min<int64_t>(G - g, 4), np, [&](auto gt, auto np2) {
+          with_tile(std::min<int64_t>(GQ - g, 4), np, [&](auto gt, auto np2) {
             values_tile16<gt, np2>(pg, ss, vblk, bs, D, d, lo, hi, ag, D);
           });
         }
@@ -217,6 +226,7 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
                                             15, 31);
   for (int64_t x = 0; x < nq; ++x) {
     const __m512 inv = _mm512_set1_ps(1.f / w.l[x]);
+    TQ* o = out + x % GQ / G * tk.o_stride + (x / GQ * G + x % G) * D;  // token, head
     for (int64_t d = 0; d < D; d += 32) {
       const float* a = w.acc.data() + x * D + d;
       __m512 y0 = _mm512_loadu_ps(a), y1 = _mm512_loadu_ps(a + 16);
@@ -225,8 +235,8 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
         y0 = _mm512_permutex2var_ps(e, lo_dims, y1);
         y1 = _mm512_permutex2var_ps(e, hi_dims, y1);
       }
-      keel::store16(out + x * D + d, (v16)_mm512_mul_ps(y0, inv));
-      keel::store16(out + x * D + d + 16, (v16)_mm512_mul_ps(y1, inv));
+      keel::store16(o + d, (v16)_mm512_mul_ps(y0, inv));
+      keel::store16(o + d + 16, (v16)_mm512_mul_ps(y1, inv));
     }
   }
 }

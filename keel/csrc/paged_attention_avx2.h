@@ -122,17 +122,20 @@ inline void values_tile(const float* p, int64_t p_stride, const T* const* vblk, 
     for (int c = 0; c < 4; ++c) store8(acc + g * acc_stride + c * 8, a[g][c]);
 }
 
-// One query row against its request's KV heads [h0, h1) (the G query heads of each), in one
-// pass over its keys: chunks of chunk_keys<T>() keys (whole blocks), each chunk's keys and values
-// of every head read together with an online softmax, so K and V stream from memory once
-// and side by side. Needs D % 32 == 0 and block_size % 8 == 0.
+// One query row (or the tokens `tk` of one request, sharing every key and value read: a KV
+// head's query vectors are its G query heads of each token in turn) against its request's KV
+// heads [h0, h1), in one pass over keys [start, len): chunks of chunk_keys<T>() keys (whole
+// blocks), each chunk's keys and values of every head read together with an online softmax,
+// so K and V stream from memory once and side by side. Needs D % 32 == 0 and
+// block_size % 8 == 0.
 template <typename TQ, typename T>
 void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row, int64_t bs,
                 int64_t block_elems, int64_t start, int64_t len, int64_t h0, int64_t h1,
-                int64_t G, int64_t D, float scale, TQ* out, Scratch& w,
+                int64_t G, int64_t D, float scale, TQ* out, Scratch& w, const Tokens& tk,
                 const float* k_scale = nullptr, const float* v_scale = nullptr) {
   constexpr bool is_i8 = std::is_same_v<T, int8_t>;  // scales: k_scale, v_scale
-  const int64_t nh = h1 - h0, nq = nh * G, run = bs * D;  // run: one head's keys of a block
+  const int64_t nt = tk.n, GQ = G * nt;  // query vectors per KV head
+  const int64_t nh = h1 - h0, nq = nh * GQ, run = bs * D;  // run: one head's keys of a block
   const int64_t cb = std::max<int64_t>(1, chunk_keys<T>() / bs), span = cb * bs;
   const float ninf = -std::numeric_limits<float>::infinity();
   constexpr bool split = KEEL_SPLIT_BF16 && std::is_same_v<T, c10::BFloat16>;
@@ -140,19 +143,24 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
   w.acc.assign(nq * D, 0.f);
   w.m.assign(nq, ninf);
   w.l.assign(nq, 0.f);
-  w.s.resize(G * span);
-  if constexpr (split) {  // each 16 dims as [8 even | 8 odd]
-    for (int64_t x = 0; x < nq * D; x += 16)
-      for (int i = 0; i < 8; ++i) {
-        w.q[x + i] = static_cast<float>(q[x + 2 * i]) * scale;
-        w.q[x + 8 + i] = static_cast<float>(q[x + 2 * i + 1]) * scale;
+  w.s.resize(GQ * span);
+  for (int64_t h = 0; h < nh; ++h)  // the query, scaled: [head][token][G, D]
+    for (int64_t t = 0; t < nt; ++t) {
+      const TQ* qt = q + t * tk.q_stride + h * G * D;
+      float* wq = w.q.data() + (h * nt + t) * G * D;
+      if constexpr (split) {  // each 16 dims as [8 even | 8 odd]
+        for (int64_t x = 0; x < G * D; x += 16)
+          for (int i = 0; i < 8; ++i) {
+            wq[x + i] = static_cast<float>(qt[x + 2 * i]) * scale;
+            wq[x + 8 + i] = static_cast<float>(qt[x + 2 * i + 1]) * scale;
+          }
+      } else {
+        for (int64_t x = 0; x < G * D; x += 8) store8(wq + x, load8(qt + x) * scale);
       }
-  } else {
-    for (int64_t x = 0; x < nq * D; x += 8) store8(w.q.data() + x, load8(q + x) * scale);
-  }
+    }
   const int64_t b_end = (len + bs - 1) / bs;
-  const int64_t tiles = (G + 1) / 2;
-  const int64_t steps = nh * (G * span / 8 + tiles * D / 32);  // pf.step() per chunk
+  const int64_t tiles = (GQ + 1) / 2;
+  const int64_t steps = nh * (GQ * span / 8 + tiles * D / 32);  // pf.step() per chunk
   float* s = w.s.data();
   Prefetcher<2> pf;
   pf.bytes = nh * run * static_cast<int64_t>(sizeof(T));
@@ -171,8 +179,8 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
       const float* ksb[kChunkBlocks];  // an int8 cache's scales of the chunk's blocks
       const float* vsb[kChunkBlocks];
       if constexpr (is_i8) run_scales(k_scale, v_scale, k_ptr, v_ptr, kblk, vblk, nb, D, ksb, vsb);
-      const int64_t x0 = (h - h0) * G;
-      for (int64_t g = 0; g < G; ++g) {
+      const int64_t x0 = (h - h0) * GQ;
+      for (int64_t g = 0; g < GQ; ++g) {
         float* sg = s + g * span;
         for (int64_t j = lo8; j < hi8; j += 8) {
           pf.step();
@@ -187,8 +195,9 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
           store8(sg + j, scores8(qg, kj, D));
         }
         if constexpr (is_i8) scale_by_block(sg, span, 1, ksb, bs, lo8, hi8);
-        for (int64_t j = lo8; j < lo; ++j) sg[j] = ninf;
-        for (int64_t j = hi; j < hi8; ++j) sg[j] = ninf;
+        const auto [lo_t, hi_t] = token_keys(tk, g / G, b, nb, bs);  // this token's keys
+        for (int64_t j = lo8; j < std::min(lo_t, hi8); ++j) sg[j] = ninf;
+        for (int64_t j = std::max(hi_t, lo8); j < hi8; ++j) sg[j] = ninf;
         // Online softmax: the running maximum m, sum l, and the accumulator rescaled when
         // the maximum grows.
         v8 mv = keel::splat8(w.m[x0 + g]);
@@ -215,10 +224,10 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
         }
       }
       float* a = w.acc.data() + x0 * D;
-      for (int64_t g = 0; g < G; g += 2)
+      for (int64_t g = 0; g < GQ; g += 2)
         for (int64_t d = 0; d < D; d += 32) {
           pf.step();
-          if (g + 1 < G)
+          if (g + 1 < GQ)
             values_tile<2, split>(s + g * span, span, vblk, bs, D, d, lo, hi, a + g * D + d, D);
           else
             values_tile<1, split>(s + g * span, span, vblk, bs, D, d, lo, hi, a + g * D + d, D);
@@ -227,14 +236,14 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
   }
   for (int64_t x = 0; x < nq; ++x) {
     const float inv = 1.f / w.l[x];
+    TQ* o = out + x % GQ / G * tk.o_stride + (x / GQ * G + x % G) * D;  // token, head
 #if KEEL_SPLIT_BF16
     if constexpr (split) {
-      for (int64_t d = 0; d < D; d += 16) unsplit16(w.acc.data() + x * D + d, inv, out + x * D + d);
+      for (int64_t d = 0; d < D; d += 16) unsplit16(w.acc.data() + x * D + d, inv, o + d);
       continue;
     }
 #endif
-    for (int64_t d = 0; d < D; d += 8)
-      store8(out + x * D + d, load8(w.acc.data() + x * D + d) * inv);
+    for (int64_t d = 0; d < D; d += 8) store8(o + d, load8(w.acc.data() + x * D + d) * inv);
   }
 }
 }  // namespace

@@ -118,6 +118,29 @@ inline void prefetch_scales(const float* k_scale, const float* v_scale, const in
     }
 }
 
+// The query tokens one item takes together: a decode row (n = 1), or up to kGroupTokens
+// consecutive tokens of one request (a speculative step's drafts with the token before them, a
+// short prompt chunk), whose keys and values are then read once for all of them instead of
+// once per token. Token i's query row is q + i * q_stride (elements), its output
+// out + i * o_stride, and it sees keys [first(i), len[i]): the row kernels walk the union of
+// the tokens' keys and give each token's scores outside its own keys weight 0.
+struct Tokens {
+  int64_t n = 1, q_stride = 0, o_stride = 0;
+  const int64_t* len = nullptr;  // n entries
+  int64_t window = 0;            // sliding window (0: none)
+  int64_t first(int64_t i) const {
+    return window > 0 ? std::max<int64_t>(0, len[i] - window) : int64_t{0};
+  }
+};
+constexpr int64_t kGroupTokens = 16;  // tokens of one request an item takes at most
+
+// Token i's visible keys of the chunk of blocks [b, b + nb) (bs keys each), counted from the
+// chunk's first key: [lo, hi), empty where hi <= lo.
+inline std::pair<int64_t, int64_t> token_keys(const Tokens& tk, int64_t i, int64_t b,
+                                              int64_t nb, int64_t bs) {
+  return {std::max(tk.first(i), b * bs) - b * bs, std::min(tk.len[i], (b + nb) * bs) - b * bs};
+}
+
 struct NextItem {  // the thread's next item: its first chunk is prefetched during this one's last
   const int32_t* row = nullptr;
   int64_t b0 = 0, nb = 0, h0 = 0;  // first block, blocks of the first chunk, first KV head

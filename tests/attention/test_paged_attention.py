@@ -294,6 +294,56 @@ def test_decode_rows_never_read_unwritten_slots(dtype, head_dim):
         assert (out - ref).abs().max().item() < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
+# Several query tokens of one request in a pass (a speculative step's drafts, a short prompt
+# chunk): 1-20 tokens a request, so that groups of 16 split, over contexts across many blocks.
+GROUP_SEQ_LENS = [40, 150, 97, 33, 260, 21, 5]
+GROUP_Q_LENS = [5, 5, 1, 20, 3, 17, 5]
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("dtype, cache_dtype, tol",
+                         [(torch.float32, None, 1e-5), (torch.bfloat16, None, 3e-2),
+                          (torch.float32, torch.bfloat16, 1e-5), (torch.float32, torch.int8, 1e-5),
+                          (torch.bfloat16, torch.int8, 3e-2)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
+                         [(9, 3, 64, 16), (6, 2, 32, 8), (4, 4, 96, 16)])
+def test_tokens_of_a_request_read_its_keys_together(window, dtype, cache_dtype, tol, heads,
+                                                    kv_heads, head_dim, block_size):
+    """The kernel takes up to 16 consecutive query tokens of one request as one item, reading
+    each key and value once for all of them, each token's scores outside its own keys (past
+    its position, before its window) weighted 0: against the reference, NaN in the slots no
+    token may read."""
+    assert get_cpu_ops() is not None
+    out, ref = run_case(GROUP_SEQ_LENS, GROUP_Q_LENS, heads, kv_heads, head_dim, dtype, window,
+                        block_size, fill=float("nan"), cache_dtype=cache_dtype)
+    assert not out.isnan().any()
+    assert (out - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("window", [0, 7, 40])
+def test_grouped_tokens_give_each_tokens_own_bits(window):
+    """float32: a token read in a group gives the same bits as the token alone (one row per
+    call), so a speculative step's verified tokens are those the steps one token at a time
+    would have computed."""
+    ops = get_cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    blocks = 64
+    k_cache, v_cache = (torch.randn(blocks, kv_heads, bs, dim, generator=g) for _ in range(2))
+    table = torch.randperm(blocks, generator=g).to(torch.int32).view(4, 16)
+    # Request 0: 5 tokens ending at key 200; 1: one; 2: 19 (a group of 16, then 3); 3: 2.
+    rows = torch.tensor([0] * 5 + [1] + [2] * 19 + [3] * 2, dtype=torch.int32)
+    lens = torch.cat([torch.arange(196, 201), torch.tensor([77]), torch.arange(100, 119),
+                      torch.arange(9, 11)])
+    q = torch.randn(len(rows), heads, dim, generator=g)
+    together = ops.paged_attention(q, k_cache, v_cache, table, lens, rows, 0.125, window)
+    for t in range(len(rows)):
+        alone = ops.paged_attention(q[t : t + 1], k_cache, v_cache, table, lens[t : t + 1],
+                                    rows[t : t + 1], 0.125, window)
+        assert torch.equal(together[t], alone[0]), t
+
+
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
@@ -552,8 +602,9 @@ def test_int8_rows_and_their_scales():
 def test_the_avx2_build_reads_an_int8_cache(tmp_path):
     """On a CPU with AVX-512 the tests above run `decode_row16`; `decode_row` (8 lanes, what
     an AVX2-only CPU runs) is checked here by building keel's kernels for x86-64-v3 (AVX2, no
-    AVX-512) in a subprocess: decode rows over an int8 cache (widened by one vpmovsxbd a load),
-    a bfloat16 and a float32 one, against the reference."""
+    AVX-512) in a subprocess: decode rows, and several tokens of a request read together, over
+    an int8 cache (widened by one vpmovsxbd a load), a bfloat16 and a float32 one, against the
+    reference."""
     with open("/proc/cpuinfo") as f:
         assert "avx2" in f.read().split(), "keel's CI machines have AVX2"
     code = f"""
@@ -568,11 +619,11 @@ seq_lens = [1, 13, 40, 64, 5, 150, 97]
 for cache, dtype, tol in ((torch.int8, torch.float32, 1e-5), (torch.int8, torch.bfloat16, 3e-2),
                           (None, torch.bfloat16, 3e-2), (None, torch.float32, 1e-5)):
     for window in (None, 7):
-        fill = float("nan")
-        out, ref = run_case(seq_lens, [1] * len(seq_lens), 9, 3, 64, dtype, window, 16,
-                            fill=fill, cache_dtype=cache)
-        assert not out.isnan().any(), (cache, dtype)
-        assert (out - ref).abs().max().item() < tol, (cache, dtype, window)
+        for q_lens in ([1] * len(seq_lens), [1, 4, 20, 1, 5, 17, 3]):  # decode rows, groups
+            out, ref = run_case(seq_lens, q_lens, 9, 3, 64, dtype, window, 16,
+                                fill=float("nan"), cache_dtype=cache)
+            assert not out.isnan().any(), (cache, dtype)
+            assert (out - ref).abs().max().item() < tol, (cache, dtype, window, q_lens)
 print("ok")
 """
     env = {**os.environ, "KEEL_CPU_MARCH": "x86-64-v3"}  # AVX2 and FMA, no AVX-512

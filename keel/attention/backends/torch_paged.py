@@ -20,8 +20,9 @@ Steps 2-3 use indices that depend only on the batch, so they are built once per 
 skips the query scatter entirely.
 
 On the CPU, keel's compiled kernel (`keel/cpu_ops.py`) replaces steps 2-5: it treats each
-query token as a row of its own whose keys end at the token's position, and reads K/V in place
-through the block table, with no gathered or padded copy. A request with more than
+query token as a row whose keys end at the token's position, and reads K/V in place through
+the block table, with no gathered or padded copy; up to 16 consecutive tokens of one request (a
+speculative step's drafts, a short prompt) share each key and value it reads. A request with more than
 `CPU_KERNEL_MAX_QUERY_LEN` query tokens in the pass (a long prompt chunk) goes on its own to
 keel's causal prefill kernel instead (in bfloat16 on a CPU with AMX tiles, keel's AMX one; or
 SDPA where it times faster or the kernels do not apply; blocked loops win once many queries

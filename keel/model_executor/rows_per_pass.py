@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from keel.cpu_ops import cpu_ops_for
-from keel.model_executor.layers.packed_weights import cpu_gemm
+from keel.model_executor.layers.packed_weights import cpu_gemm, release_packed
 from keel.model_executor.layers.quantization import ALL_ROWS, Int4Weight, quantized_linear
 from keel.utils import best_seconds, replace_atomically
 
@@ -56,7 +56,8 @@ def choose_rows_per_pass(model: nn.Module, rows: tuple[int, ...] = (1, 8, 64)) -
             report.append(f"{kind} {n}x{k}: kernel up to {max_rows} rows (measured before)")
         for m in groups[(kind, n, k)]:
             if max_rows == rows[-1]:  # the kernel wins at every size: no dense copy
-                m.packed_weight, m.quant.max_rows = None, ALL_ROWS
+                release_packed(m)
+                m.quant.max_rows = ALL_ROWS
             else:
                 m.quant.max_rows = max_rows
     cache.save()

@@ -111,6 +111,31 @@ def test_default_model_answers_where_auto_keeps_float32(monkeypatch):
     assert "Paris" in out[0].outputs[0].text
 
 
+def test_a_layer_whose_kernel_wins_at_every_size_keeps_nothing_of_its_dense_copy(monkeypatch):
+    """Where the quantized kernel times faster at every pass size, the load drops the layer's
+    dense copy, and with it an int16 or float16 copy's scales and orders. A noisy minute once
+    measured the [gate; up] layers so (the others not); their int16 copy's scales, left behind
+    without its panels, stopped the fused decode pass's plan from being built and `keel
+    generate` failed ("PlanLinear: i16_scales come with the int16 panels")."""
+    from keel.model_executor import rows_per_pass
+    from keel.model_executor.layers.linear import MergedColumnParallelLinear
+
+    def measured(self, key):  # as that minute measured: the kernel up to 64 rows for gate/up
+        return 64 if "3072x576" in key else 1
+
+    monkeypatch.setattr(rows_per_pass._RowsCache, "get", measured)
+    llm = LLM(max_num_seqs=4)  # dtype="auto": the dense copies on the GEMM chosen for this CPU
+    convs = [[{"role": "user", "content": "What is the capital of France?"}]] * 3
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    model = llm.engine_core.model_executor.driver_worker.model_runner.model
+    llm.shutdown()
+    gate_up = [m for m in model.modules() if isinstance(m, MergedColumnParallelLinear)]
+    assert gate_up and all(m.quant.max_rows == ALL_ROWS for m in gate_up)
+    assert all(m.packed_weight is None and m.packed_by == "" and m.i16_scales is None
+               and m.fp16_unorder is None for m in gate_up)
+    assert all("Paris" in o.outputs[0].text for o in outs)
+
+
 def test_gguf_weights_load_as_the_slower_way_made_them():
     """Two shortcuts of the load, each checked against the way it replaced: the int4 layers
     take the converted file's nibble pairs as they are (no unpacking to int32 and packing

@@ -71,6 +71,18 @@ def _fp16_pack(module: nn.Module, w: torch.Tensor, kind: str) -> bool:
     return True
 
 
+def release_packed(module: nn.Module) -> None:
+    """Drop the module's packed dense copy and what goes with it: a quantized layer whose kernel
+    was faster at every pass size keeps no dense weight (rows_per_pass.py). Left behind, an
+    int16 copy's scales without its panels stopped the fused decode pass's plan from being
+    built (`PlanLinear: i16_scales come with the int16 panels`)."""
+    module.packed_weight, module.packed_by = None, ""
+    for name, empty in (("i16_scales", None), ("fp16_w_max", 0.0), ("fp16_silu", False),
+                        ("fp16_bias", None), ("fp16_unorder", None)):
+        if hasattr(module, name):
+            setattr(module, name, empty)
+
+
 def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool = True) -> None:
     """Pack `module.weight` into `module.packed_weight` for the GEMM chosen for it
     (`module.packed_by`: "fp16" or "i16" for a float32 weight on float16 FMAs or int16 dot

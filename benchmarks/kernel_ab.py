@@ -86,14 +86,22 @@ def head_case(ops_any, g):
             "LM head's argmax in its epilogue": (fused, from_memory)}
 
 
-def attention_case(ops_any, g):
-    heads, kv_heads, dim, block, rows = 9, 3, 64, 16, 64
-    lens = torch.randint(364, 864, (rows,), generator=g)
-    per = -(-864 // block)
-    table = torch.arange(rows * per, dtype=torch.int32).view(rows, per)
-    q = torch.randn(rows, heads, dim, generator=g).bfloat16()
-    caches = [tuple(torch.randn(rows * per, kv_heads, block, dim, generator=g).bfloat16()
+def paged_caches(g, dtype, reqs: int = 64, max_keys: int = 869):
+    """64 requests' contexts of 364-864 keys, their block table, and 30 layers' K/V caches
+    of the default model's shape (3 KV heads of 64, blocks of 16) in `dtype`."""
+    kv_heads, dim, block = 3, 64, 16
+    lens = torch.randint(364, 864, (reqs,), generator=g)
+    per = -(-max_keys // block)
+    table = torch.arange(reqs * per, dtype=torch.int32).view(reqs, per)
+    caches = [tuple(torch.randn(reqs * per, kv_heads, block, dim, generator=g).to(dtype)
                     for _ in range(2)) for _ in range(30)]
+    return lens, table, caches
+
+
+def attention_case(ops_any, g):
+    heads, dim, rows = 9, 64, 64
+    lens, table, caches = paged_caches(g, torch.bfloat16, rows, 864)
+    q = torch.randn(rows, heads, dim, generator=g).bfloat16()
 
     def run(ops):
         for k, v in caches:
@@ -105,12 +113,8 @@ def tokens_case(ops_any, g):
     """float32 caches, 30 layers from memory: a decode step's rows, a speculative step's (the
     token before 4 drafts, for each of 64 requests), and short prompts' tokens (16-47 each,
     no context; one layer's cache, as a prompt pass writes and reads it)."""
-    heads, kv_heads, dim, block, reqs = 9, 3, 64, 16, 64
-    lens = torch.randint(364, 864, (reqs,), generator=g)
-    per = -(-869 // block)
-    table = torch.arange(reqs * per, dtype=torch.int32).view(reqs, per)
-    caches = [tuple(torch.randn(reqs * per, kv_heads, block, dim, generator=g)
-                    for _ in range(2)) for _ in range(30)]
+    heads, dim, reqs = 9, 64, 64
+    lens, table, caches = paged_caches(g, torch.float32, reqs)
     q1 = torch.randn(reqs, heads, dim, generator=g)
     rows5 = torch.arange(reqs, dtype=torch.int32).repeat_interleave(5)
     lens5 = (lens[:, None] + torch.arange(5)).flatten()

@@ -58,6 +58,9 @@ import psutil
 
 from keel.utils import cpu_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_vllm import vllm_preload  # this folder's sibling script
+
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 KV_CACHE_GIB = 2  # both engines (vLLM: VLLM_CPU_KVCACHE_SPACE)
 WARMUP_TOKENS = 8  # a first burst of every prompt at this length: the timed batch's shapes
@@ -243,10 +246,7 @@ def vllm_server(folder: Path, args, served_name: str, port: int, log: Path) -> S
     # On 2 cores binding every core beats vLLM's "auto" (which keeps one back).
     env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(sorted(os.sched_getaffinity(0)))
     env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from vs_vllm import vllm_preload  # tcmalloc and Intel OpenMP, as its install guide says
-
-    if preload := vllm_preload(args):
+    if preload := vllm_preload(args):  # tcmalloc and Intel OpenMP, as its install guide says
         env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
     # cwd: not the checkout, so `-m` cannot pick up anything of ours.
     return ServerProcess("vLLM-CPU", cmd, env, port, log, cwd=str(log.parent))

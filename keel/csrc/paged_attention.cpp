@@ -98,7 +98,12 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
   }
   const int64_t NG = groups.empty() ? R : static_cast<int64_t>(groups.size()) - 1;
   auto group_first = [&](int64_t gi) { return groups.empty() ? gi : groups[gi]; };
-  auto group_size = [&](int64_t gi) { return groups.empty() ? 1 : groups[gi + 1] - groups[gi]; };
+  // Group gi's tokens: their rows of the query and output, their keys.
+  auto group_tokens = [&](int64_t gi) {
+    const int64_t t0 = group_first(gi);
+    return Tokens{groups.empty() ? 1 : groups[gi + 1] - t0, q_stride, H * D, sl + t0,
+                  sliding_window};
+  };
 
   // Common shapes take decode_row; an item is one group (a row) with all its KV heads where
   // there are groups enough to share out (its K and V then stream as whole blocks), else
@@ -107,28 +112,15 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t hpi = fast && NG >= 4 * max_threads ? Hkv : 1;  // KV heads per item
   const int64_t per_row = Hkv / hpi;
 
-  // Query row r's first visible key, and its row of the block table.
-  auto first_key = [&](int64_t r) {
-    return sliding_window > 0 ? std::max<int64_t>(0, sl[r] - sliding_window) : int64_t{0};
-  };
+  // Query row r's row of the block table.
   auto table_row = [&](int64_t r) { return bt + (rows != nullptr ? rows[r] : r) * max_blocks; };
-  // Group gi's keys: the union [start, len) of its tokens'.
-  auto group_keys = [&](int64_t gi) {
-    const int64_t t0 = group_first(gi), nt = group_size(gi);
-    int64_t start = first_key(t0), len = sl[t0];
-    for (int64_t t = t0 + 1; t < t0 + nt; ++t) {
-      start = std::min(start, first_key(t));
-      len = std::max(len, sl[t]);
-    }
-    return std::pair<int64_t, int64_t>{start, len};
-  };
 #if KEEL_ATTN512  // (KEEL_BF16_DOT needs AVX-512 too)
   // The first chunk of item i (if i < end and it has keys), to prefetch during the last one's.
   auto next_item = [&](int64_t i, int64_t end) {
     NextItem nx;
     if (i >= end) return nx;
     const int64_t g2 = i / per_row;
-    if (const auto [start2, len2] = group_keys(g2); len2 > start2) {
+    if (const auto [start2, len2] = group_tokens(g2).keys(); len2 > start2) {
       nx.row = table_row(group_first(g2));
       nx.b0 = start2 / bs;
       nx.nb = std::min(std::max<int64_t>(1, chunk_keys<T>() / bs), (len2 + bs - 1) / bs - nx.b0);
@@ -142,11 +134,11 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t gi = item / per_row, hk = item % per_row * hpi;  // group, first kv head
       const int64_t r = group_first(gi);  // its first query row
-      const auto [start, len] = group_keys(gi);
+      const Tokens tk = group_tokens(gi);
+      const auto [start, len] = tk.keys();
       const int64_t n = len - start;
       if (n <= 0) continue;
       const int32_t* row = table_row(r);
-      const Tokens tk{group_size(gi), q_stride, H * D, sl + r, sliding_window};
       if (fast) {
 #if KEEL_BF16_DOT
         if constexpr (std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16>) {

@@ -131,6 +131,12 @@ struct Tokens {
   int64_t first(int64_t i) const {
     return window > 0 ? std::max<int64_t>(0, len[i] - window) : int64_t{0};
   }
+  // The union of the tokens' keys: [start, end).
+  std::pair<int64_t, int64_t> keys() const {
+    int64_t start = first(0), end = len[0];
+    for (int64_t i = 1; i < n; ++i) start = std::min(start, first(i)), end = std::max(end, len[i]);
+    return {start, end};
+  }
 };
 constexpr int64_t kGroupTokens = 16;  // tokens of one request an item takes at most
 

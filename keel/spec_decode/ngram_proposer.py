@@ -2,8 +2,16 @@
 
 For each request: take the last n tokens of its prompt + output (n from prompt_lookup_max down
 to prompt_lookup_min), find the most recent earlier place where those n tokens occur, and
-propose the (up to) k tokens that followed them there. E.g. tokens [5 6 7 8 5 6], n = 2: the
-suffix [5 6] occurred at 0, followed by [7 8 5] -> drafts [7, 8, 5] for k = 3.
+propose the k tokens that followed them there. E.g. tokens [5 6 7 8 5 6], n = 2: the suffix
+[5 6] occurred at 0, followed by [7 8 5] -> drafts [7, 8, 5] for k = 3.
+
+Where fewer than k tokens follow the match (the sequence repeats with a period shorter than
+k), the drafts go on as the sequence would if it kept repeating: draft j is the token that
+followed the match j places later, counting the drafts themselves, i.e. the followers again
+from the start. E.g. [1 2 1 2], n = 2: [1 2] at 0 is followed by [1 2] and then by the drafts
+-> [1, 2, 1, 2] for k = 4, where taking only the known followers would stop at [1, 2]. A
+request whose output has fallen into a short loop then gets k drafts each step instead of its
+period's worth.
 
 The token ids come from the persistent batch (`input_batch.token_ids_cpu`); every request is
 matched at once with one sliding-window comparison per n (torch `unfold`), no per-request loop.
@@ -59,8 +67,14 @@ class NgramProposer:
             found = todo & (last >= 0)
             start = torch.where(found, last + n, start)
             todo &= ~found
-        for i in torch.nonzero(start >= 0).flatten().tolist():
-            s = int(start[i])
-            e = min(s + self.k, int(lens[i]))
-            out[i] = toks[i, s:e].tolist()
+        hit = torch.nonzero(start >= 0).flatten()
+        if len(hit) == 0:
+            return out
+        # Draft j of a row is its token at start + (j mod period), period = lens - start: the
+        # known followers, then the same again for the drafts past the end.
+        s, period = start[hit], lens[hit] - start[hit]
+        idx = s.unsqueeze(1) + torch.arange(self.k).unsqueeze(0) % period.unsqueeze(1)
+        drafts = toks[hit].gather(1, idx).tolist()
+        for i, draft in zip(hit.tolist(), drafts):
+            out[i] = draft
         return out

@@ -27,8 +27,25 @@ def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():
     )
     drafts = NgramProposer(3, 2, 3).propose(ids, lens, np.arange(4))
     assert drafts == [[7, 8, 5], [4, 1, 2], [], [2, 9, 3]]
-    # Only the rows asked for; a draft never runs past the known tokens.
-    assert NgramProposer(5, 1, 1).propose(ids, lens, np.array([0])) == [[7, 8, 5, 6]]
+    # Only the rows asked for. Past the known followers the drafts repeat them: [6] at 1 is
+    # followed by [7 8 5 6], the fifth draft is the first again.
+    assert NgramProposer(5, 1, 1).propose(ids, lens, np.array([0])) == [[7, 8, 5, 6, 7]]
+
+
+def test_ngram_drafts_go_on_around_a_loop_shorter_than_k():
+    ids, lens = rows_of(
+        [9, 1, 2, 1, 2],  # period 2: [1 2] at 1, followed by [1 2] -> then [1 2 ...] again
+        [4, 7, 7, 7],  # period 1: n=2 [7 7] latest at 1 -> [7] and on
+        [3, 5, 6, 8, 5, 6, 8],  # period 3: n=3 [5 6 8] at 1 -> [5 6 8 5 6]
+        [1, 2, 3],  # no repeat -> nothing
+    )
+    drafts = NgramProposer(5, 2, 3).propose(ids, lens, np.arange(4))
+    assert drafts == [[1, 2, 1, 2, 1], [7, 7, 7, 7, 7], [5, 6, 8, 5, 6], []]
+    # The drafts are what the row would be if it kept repeating: appending them to the row
+    # and drafting again from the end gives the same continuation.
+    row = [9, 1, 2, 1, 2] + drafts[0]
+    more, n = rows_of(row)
+    assert NgramProposer(3, 2, 2).propose(more, n, np.array([0])) == [[2, 1, 2]]
 
 
 def greedy_meta(n, temperature=None, generators=None):

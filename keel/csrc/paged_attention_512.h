@@ -131,6 +131,8 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
   w.m.assign(nq, ninf);
   w.l.assign(nq, 0.f);
   w.s.resize(GQ * ss);
+  w.mx.resize(GQ);
+  w.alpha.resize(GQ);
   for (int64_t h = 0; h < nh; ++h)  // the query in lane order, scaled: [head][token][G, D]
     for (int64_t t = 0; t < nt; ++t) {
       const TQ* qt = q + t * tk.q_stride + h * G * D;
@@ -186,27 +188,34 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
         run_scales(k_scale, v_scale, k_ptr, v_ptr, kblk, vblk, nb, D, ksb, vsb);
         scale_by_block(s, ss, GQ, ksb, bs, lo8, hi8);
       }
+      // Online softmax: the running maximum m, sum l, and the accumulator rescaled when the
+      // maximum grows. In two passes over the query vectors (each vector's arithmetic as in
+      // one), so that one vector's chain of maximum, exponentials and sums does not wait on
+      // the previous one's.
+      float* mxs = w.mx.data();
+      float* alphas = w.alpha.data();
       for (int64_t g = 0; g < GQ; ++g) {
         float* sg = s + g * ss;
         const auto [lo_t, hi_t] = token_keys(tk, g / G, b, nb, bs);  // this token's keys
         for (int64_t j = lo16; j < std::min(lo_t, hi16); ++j) sg[j] = ninf;
         for (int64_t j = std::max(hi_t, lo16); j < hi16; ++j) sg[j] = ninf;
-        // Online softmax: the running maximum m, sum l, and the accumulator rescaled when
-        // the maximum grows.
         __m512 mv = _mm512_set1_ps(w.m[x0 + g]);
         for (int64_t j = lo16; j < hi16; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + j));
-        const float mx = _mm512_reduce_max_ps(mv);
-        const float alpha = advance_max(w.m[x0 + g], mx);
+        mxs[g] = _mm512_reduce_max_ps(mv);
+        alphas[g] = advance_max(w.m[x0 + g], mxs[g]);
+      }
+      for (int64_t g = 0; g < GQ; ++g) {
+        float* sg = s + g * ss;
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = lo16; j < hi16; j += 16) {
-          const __m512 p = weights16(_mm512_loadu_ps(sg + j), mx);
+          const __m512 p = weights16(_mm512_loadu_ps(sg + j), mxs[g]);
           _mm512_storeu_ps(sg + j, p);
           sum = _mm512_add_ps(sum, p);
         }
-        w.l[x0 + g] = w.l[x0 + g] * alpha + _mm512_reduce_add_ps(sum);
+        w.l[x0 + g] = w.l[x0 + g] * alphas[g] + _mm512_reduce_add_ps(sum);
         // (past the sum; values_tile16 reads the weights of keys [lo, hi) only)
         if constexpr (is_i8) scale_by_block(sg, ss, 1, vsb, bs, lo8, hi8);
-        rescale16(w.acc.data() + (x0 + g) * D, D, alpha);
+        rescale16(w.acc.data() + (x0 + g) * D, D, alphas[g]);
       }
       float* a = w.acc.data() + x0 * D;
       for (int64_t g = 0; g < GQ; g += 4)

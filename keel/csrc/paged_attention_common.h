@@ -263,6 +263,7 @@ inline void with_tile(int64_t gt, int64_t np, F&& f) {
 
 struct Scratch {
   std::vector<float> q, acc, m, l, s;
+  std::vector<float> mx, alpha;  // decode_row16: each query vector's chunk maximum and rescale
   std::vector<uint16_t> p;        // decode_row_bf16: a chunk's weights in bfloat16
   std::vector<c10::BFloat16> zero;  // decode_row_bf16: a row of D zeros
 };

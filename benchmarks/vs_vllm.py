@@ -820,35 +820,31 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
                 print(f"  keel auto / {peer} best, round by round: "
                       + " ".join(f"{x:.2f}x" for x in ratios)
                       + f" (median {statistics.median(ratios):.2f}x)")
+    def paired(w: str, a: tuple[str, str], b: tuple[str, str]) -> list[tuple[list, list]]:
+        """Run a's and run b's greedy sequences for workload w, in each round that has both."""
+        both = [same_round.get((rep, w), {}) for rep in range(len(rounds))]
+        return [(r[a], r[b]) for r in both if a in r and b in r]
+
+    def identical(mine: list, ref: list) -> str:
+        return f"{sum(x == y for x, y in zip(mine, ref))}/{len(ref)}"
+
     for w in args.workloads:  # keel's and transformers' tokens for the same prompts
-        counts = []
-        for rep in range(len(rounds)):
-            both = same_round.get((rep, w), {})
-            if ("keel", "float32") in both and ("hf", "float32") in both:
-                mine, ref = both[("keel", "float32")], both[("hf", "float32")]
-                counts.append(f"{sum(a == b for a, b in zip(mine, ref))}/{len(ref)}")
+        counts = [identical(*p) for p in paired(w, ("keel", "float32"), ("hf", "float32"))]
         if counts:
             print(f"float32 greedy sequences identical to transformers ({w}), round by round: "
                   + ", ".join(counts))
         kv8 = []  # keel auto with the int8 K/V cache against keel auto
-        for rep in range(len(rounds)):
-            both = same_round.get((rep, w), {})
-            if ("keel", "auto-kv8") in both and ("keel", "auto") in both:
-                mine, ref = both[("keel", "auto-kv8")], both[("keel", "auto")]
-                prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
-                          for x, y in zip(mine, ref)]
-                kv8.append(f"{sum(a == b for a, b in zip(mine, ref))}/{len(ref)} identical, "
-                           f"first difference at token {statistics.median(prefix):.0f} (median)")
+        for mine, ref in paired(w, ("keel", "auto-kv8"), ("keel", "auto")):
+            prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
+                      for x, y in zip(mine, ref)]
+            kv8.append(f"{identical(mine, ref)} identical, "
+                       f"first difference at token {statistics.median(prefix):.0f} (median)")
         if kv8:
             print(f"keel auto-kv8 greedy sequences against keel auto ({w}), round by round: "
                   + "; ".join(kv8))
         for d in sorted({k[1] for r in same_round.values() for k in r if "+ng" in k[1]}):
-            plain, counts = split_ngram(d, 0)[0], []
-            for rep in range(len(rounds)):
-                both = same_round.get((rep, w), {})
-                if ("keel", d) in both and ("keel", plain) in both:
-                    mine, ref = both[("keel", d)], both[("keel", plain)]
-                    counts.append(f"{sum(a == b for a, b in zip(mine, ref))}/{len(ref)}")
+            plain = split_ngram(d, 0)[0]
+            counts = [identical(*p) for p in paired(w, ("keel", d), ("keel", plain))]
             if counts:
                 print(f"keel {d} greedy sequences identical to keel {plain}'s ({w}), round by "
                       "round: " + ", ".join(counts))

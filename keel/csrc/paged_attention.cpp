@@ -121,9 +121,10 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
     if (i >= end) return nx;
     const int64_t g2 = i / per_row;
     if (const auto [start2, len2] = group_tokens(g2).keys(); len2 > start2) {
+      const int64_t cb = std::max<int64_t>(1, chunk_keys<T>() / bs);  // as the row kernels
       nx.row = table_row(group_first(g2));
-      nx.b0 = start2 / bs;
-      nx.nb = std::min(std::max<int64_t>(1, chunk_keys<T>() / bs), (len2 + bs - 1) / bs - nx.b0);
+      nx.b0 = start2 / bs / cb * cb;
+      nx.nb = std::min(cb, (len2 + bs - 1) / bs - nx.b0);
       nx.h0 = i % per_row * hpi;
     }
     return nx;

@@ -78,7 +78,9 @@ inline void scores_tile(const float* q, int64_t D, const T* k, float* s, int64_t
 
 // acc[GT query heads][32 * NP dims from d0, lane order] += sum over the chunk's keys j in
 // [lo, hi) of p[g][j] * v[j], the keys' rows found block by block (vblk, bs keys each).
-template <int GT, int NP, typename T>
+// Weight of key j for head g: p[g * p_stride + j * KS] (KS = 16: the weights in lanes of
+// query vectors, key by key).
+template <int GT, int NP, typename T, int KS = 1>
 inline void values_tile16(const float* p, int64_t p_stride, const T* const* vblk, int64_t bs,
                           int64_t D, int64_t d0, int64_t lo, int64_t hi, float* acc,
                           int64_t acc_stride) {
@@ -89,14 +91,14 @@ inline void values_tile16(const float* p, int64_t p_stride, const T* const* vblk
   for (int64_t bi = lo / bs; bi * bs < hi; ++bi) {
     const int64_t t0 = std::max<int64_t>(lo - bi * bs, 0), t1 = std::min(hi - bi * bs, bs);
     const T* vb = vblk[bi] + d0;
-    const float* pb = p + bi * bs;
+    const float* pb = p + bi * bs * KS;
     for (int64_t t = t0; t < t1; ++t) {
       __m512 x[2 * NP];
 #pragma GCC unroll 2
       for (int c = 0; c < NP; ++c) piece32(vb + t * D + 32 * c, x[2 * c], x[2 * c + 1]);
 #pragma GCC unroll 4
       for (int g = 0; g < GT; ++g) {
-        const __m512 pg = _mm512_set1_ps(pb[g * p_stride + t]);
+        const __m512 pg = _mm512_set1_ps(pb[g * p_stride + t * KS]);
 #pragma GCC unroll 4
         for (int c = 0; c < 2 * NP; ++c) a[g][c] = _mm512_fmadd_ps(pg, x[c], a[g][c]);
       }
@@ -105,6 +107,176 @@ inline void values_tile16(const float* p, int64_t p_stride, const T* const* vblk
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g)
     for (int c = 0; c < 2 * NP; ++c) _mm512_storeu_ps(acc + g * acc_stride + 16 * c, a[g][c]);
+}
+
+// -- Lanes of query vectors -------------------------------------------------------------------
+// Where an item has many query vectors (a speculative step's tokens, a short prompt's: G query
+// heads times the tokens), decode_row16 puts 16 of them in the lanes, key by key, instead of a
+// key's dims: the scores need no sums across lanes and the online softmax runs for 16 vectors
+// at once (no horizontal maximum or sum per vector and chunk). Each vector's arithmetic is
+// kept that of the dims-in-lanes path, so a token's bits do not depend on the path: its score
+// is the same 16 chains of FMAs (chain l over dims {c + l, c + 16 + l : c = 0, 32, ...}, the
+// lane order of piece32) summed in reduce8x16's tree, and a chunk's sum of weights keeps
+// _mm512_reduce_add_ps's tree over the chunk's keys.
+// Vectors per group of 16 lanes from which it pays: a speculative step's 5 tokens of 3 query
+// heads (15 vectors) took 0.81-0.84x the time of dims in lanes, 4 tokens (12) 0.85x, 3 (9)
+// 1.04-1.17x, with K/V in L2 (BENCHMARKS.md, sixtieth round). Vectors past the last full
+// enough group keep dims in lanes.
+constexpr int64_t kLanesMin = 12;
+
+// Scores of NK keys (rows kr[i] of D floats in lane order) against 16 query vectors (qt: [D]
+// rows of 16 lanes, the vectors' dims in lane order, scaled): sT[i * 16 + x].
+template <int NK>
+inline void scores_lanes(const float* qt, int64_t D, const float* const* kr, float* sT) {
+  __m512 half[2][NK];
+#pragma GCC unroll 2
+  for (int hq = 0; hq < 2; ++hq) {
+    __m512 quad[2][NK];
+#pragma GCC unroll 2
+    for (int qq = 0; qq < 2; ++qq) {
+      __m512 pair[2][NK];
+#pragma GCC unroll 2
+      for (int pp = 0; pp < 2; ++pp) {
+        __m512 e[2][NK];
+#pragma GCC unroll 2
+        for (int i = 0; i < 2; ++i) {
+          const int l = 8 * hq + 4 * qq + 2 * pp + i;  // the chain's lane of a piece
+#pragma GCC unroll 4
+          for (int k = 0; k < NK; ++k) e[i][k] = _mm512_setzero_ps();
+          for (int64_t c = 0; c < D; c += 32) {
+            const __m512 q0 = _mm512_loadu_ps(qt + (c + l) * 16);
+            const __m512 q1 = _mm512_loadu_ps(qt + (c + 16 + l) * 16);
+#pragma GCC unroll 4
+            for (int k = 0; k < NK; ++k) {
+              e[i][k] = _mm512_fmadd_ps(q0, _mm512_set1_ps(kr[k][c + l]), e[i][k]);
+              e[i][k] = _mm512_fmadd_ps(q1, _mm512_set1_ps(kr[k][c + 16 + l]), e[i][k]);
+            }
+          }
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < NK; ++k) pair[pp][k] = _mm512_add_ps(e[0][k], e[1][k]);
+      }
+#pragma GCC unroll 4
+      for (int k = 0; k < NK; ++k) quad[qq][k] = _mm512_add_ps(pair[0][k], pair[1][k]);
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < NK; ++k) half[hq][k] = _mm512_add_ps(quad[0][k], quad[1][k]);
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < NK; ++k) _mm512_storeu_ps(sT + k * 16, _mm512_add_ps(half[0][k], half[1][k]));
+}
+
+// _mm512_reduce_add_ps's tree, lane by lane: out lane x = the tree over a[0..15]'s lane x.
+inline __m512 reduce_add_tree(const __m512* a) {
+  __m512 t3[8], t6[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) t3[i] = _mm512_add_ps(a[i + 8], a[i]);
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) t6[i] = _mm512_add_ps(t3[i + 4], t3[i]);
+  return _mm512_add_ps(_mm512_add_ps(t6[0], t6[2]), _mm512_add_ps(t6[1], t6[3]));
+}
+
+// One chunk's online softmax for 16 query vectors in lanes: the scores sT[j * 16 + x] of keys
+// j in [lo16, hi16) (those outside lane x's keys [lane_lo[x], lane_hi[x]) may be anything) become
+// weights, 0 outside; the running maxima m and sums l advance; alpha: each lane's rescale.
+inline void softmax_lanes(float* sT, int64_t lo16, int64_t hi16, const int32_t* lane_lo,
+                          const int32_t* lane_hi, float* m, float* l, float* alpha) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lo_v = _mm512_loadu_si512(lane_lo), hi_v = _mm512_loadu_si512(lane_hi);
+  const __m512 m0 = _mm512_loadu_ps(m);
+  __m512 mv = m0;
+  for (int64_t j = lo16; j < hi16; ++j) {
+    const __m512i jv = _mm512_set1_epi32(static_cast<int32_t>(j));
+    const __mmask16 vis = _mm512_cmpge_epi32_mask(jv, lo_v) & _mm512_cmplt_epi32_mask(jv, hi_v);
+    const __m512 e = _mm512_mask_mov_ps(ninf, vis, _mm512_loadu_ps(sT + j * 16));
+    _mm512_storeu_ps(sT + j * 16, e);
+    mv = _mm512_max_ps(mv, e);
+  }
+  // advance_max lane by lane: 1 where the maximum holds, else exp(m - mx) (the same std::exp).
+  _mm512_storeu_ps(m, mv);
+  _mm512_storeu_ps(alpha, _mm512_set1_ps(1.f));
+  const unsigned grew = _mm512_cmp_ps_mask(mv, m0, _CMP_NEQ_OQ);
+  if (grew != 0) {
+    float old[16];
+    _mm512_storeu_ps(old, m0);
+    for (unsigned left = grew; left != 0; left &= left - 1) {
+      const int x = __builtin_ctz(left);
+      alpha[x] = std::exp(old[x] - m[x]);
+    }
+  }
+  // Weights, and their sum as _mm512_reduce_add_ps sums a 16-key vector of them: chain k
+  // over the chunk's keys j = k (mod 16), then the tree over k.
+  __m512 sums[16];
+#pragma GCC unroll 16
+  for (int k = 0; k < 16; ++k) sums[k] = _mm512_setzero_ps();
+  for (int64_t j0 = lo16; j0 < hi16; j0 += 16) {
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) {
+      const __m512 p = weights16v(_mm512_loadu_ps(sT + (j0 + k) * 16), mv);
+      _mm512_storeu_ps(sT + (j0 + k) * 16, p);
+      sums[k] = _mm512_add_ps(sums[k], p);
+    }
+  }
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_loadu_ps(alpha),
+                                      reduce_add_tree(sums)));
+}
+
+// One KV head's chunk in lanes of query vectors: the keys [lo, hi) of the chunk's runs kblk /
+// vblk, for head hh (its nlg groups of 16 lanes in w.qt, w.lm, w.ll) and its first nv query
+// vectors, from x0 in w.acc.
+template <typename T, typename PF>
+inline void lanes_chunk(Scratch& w, const T* const* kblk, const T* const* vblk, int64_t bs,
+                        int64_t D, int64_t np, int64_t lo, int64_t hi, int64_t lo16, int64_t hi16,
+                        int64_t hh, int64_t nlg, int64_t nv, int64_t x0, PF& pf) {
+  // The keys' rows as floats in lane order: a float32 cache's in place, a bfloat16 one's
+  // converted once for the head's lane groups.
+  const float** kr = w.kr.data();
+  for (int64_t bi = lo / bs; bi * bs < hi; ++bi)
+    for (int64_t j = std::max(lo, bi * bs); j < std::min(hi, (bi + 1) * bs); ++j) {
+      const T* k = kblk[bi] + (j - bi * bs) * D;
+      if constexpr (std::is_same_v<T, float>) {
+        kr[j] = k;
+      } else {
+        float* f = w.kf.data() + j * D;
+        for (int64_t c = 0; c < D; c += 32) {
+          __m512 a, b;
+          piece32(k + c, a, b);
+          _mm512_storeu_ps(f + c, a);
+          _mm512_storeu_ps(f + c + 16, b);
+        }
+        kr[j] = f;
+      }
+    }
+  float* sT = w.s.data();
+  for (int64_t lg = 0; lg < nlg; ++lg) {
+    const float* qt = w.qt.data() + (hh * nlg + lg) * D * 16;
+    int64_t j = lo;
+    for (; j + 4 <= hi; j += 4) {
+      pf.step();
+      scores_lanes<4>(qt, D, kr + j, sT + j * 16);
+    }
+    switch (hi - j) {
+      case 3: scores_lanes<3>(qt, D, kr + j, sT + j * 16); break;
+      case 2: scores_lanes<2>(qt, D, kr + j, sT + j * 16); break;
+      case 1: scores_lanes<1>(qt, D, kr + j, sT + j * 16); break;
+      default: break;
+    }
+    float* m = w.lm.data() + (hh * nlg + lg) * 16;
+    float* l = w.ll.data() + (hh * nlg + lg) * 16;
+    float alpha[16];
+    softmax_lanes(sT, lo16, hi16, w.lane_lo.data() + lg * 16, w.lane_hi.data() + lg * 16, m, l,
+                  alpha);
+    const int64_t xb = lg * 16, n = std::min<int64_t>(16, nv - xb);
+    float* a = w.acc.data() + (x0 + xb) * D;
+    for (int64_t x = 0; x < n; ++x) rescale16(a + x * D, D, alpha[x]);
+    for (int64_t g = 0; g < n; g += 4)
+      for (int64_t d = 0; d < D; d += 32 * np) {
+        pf.step();
+        with_tile(std::min<int64_t>(n - g, 4), np, [&](auto gt, auto np2) {
+          values_tile16<gt, np2, T, 16>(sT + g, 1, vblk, bs, D, d, lo, hi, a + g * D + d, D);
+        });
+      }
+  }
 }
 
 // decode_row's chunks, online softmax and prefetch (the next item's first chunk too, as in
@@ -145,13 +317,38 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
     }
   const int64_t b_end = (len + bs - 1) / bs;
   const int64_t np = D % 64 == 0 ? 2 : 1;
-  const int64_t steps = nh * ((GQ + 2) / 3 * (span / 8) + (GQ + 3) / 4 * (D / (32 * np)));
+  // Query vectors [0, xs) of each KV head in lanes (nlg groups of 16), the others [xs, GQ)
+  // with dims in lanes. An int8 cache keeps dims in lanes (its scores are scaled by key).
+  const int64_t nlg = is_i8 ? 0 : GQ / 16 + (GQ % 16 >= kLanesMin ? 1 : 0);
+  const int64_t xs = std::min(GQ, 16 * nlg);
+  const bool lanes = nlg > 0;
+  if (lanes) {
+    w.qt.assign(nh * nlg * D * 16, 0.f);  // [head][lane group][D][16], unused lanes 0
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t x = 0; x < xs; ++x) {
+        const float* src = w.q.data() + (h * GQ + x) * D;
+        float* dst = w.qt.data() + (h * nlg + x / 16) * D * 16 + x % 16;
+        for (int64_t d = 0; d < D; ++d) dst[d * 16] = src[d];
+      }
+    w.lm.assign(nh * nlg * 16, ninf);
+    w.ll.assign(nh * nlg * 16, 0.f);
+    w.s.resize(std::max(GQ, int64_t{16}) * ss);
+    w.kr.resize(span);
+    if constexpr (!is_f32) w.kf.resize(span * D);
+    w.lane_lo.resize(nlg * 16);
+    w.lane_hi.resize(nlg * 16);
+  }
+  const int64_t steps = nh * (nlg * ((span + 3) / 4) + (xs + 3) / 4 * (D / (32 * np)) +
+                              (GQ - xs + 2) / 3 * (span / 8) + (GQ - xs + 3) / 4 * (D / (32 * np)));
   float* s = w.s.data();
   Prefetcher<is_f32 ? 2 : 3> pf;
   pf.bytes = nh * run * static_cast<int64_t>(sizeof(T));
   const T* kblk[kChunkBlocks];
   const T* vblk[kChunkBlocks];
-  for (int64_t b = start / bs; b < b_end; b += cb) {
+  // Chunks start at multiples of cb blocks, wherever the keys start, so that a token's
+  // online softmax steps over the same chunks in a group as alone (with a sliding window, a
+  // group's first key is its first token's).
+  for (int64_t b = start / bs / cb * cb; b < b_end; b += cb) {
     const Chunk ch = chunk_at(b, cb, b_end, bs, start, len);
     const int64_t nb = ch.nb, next = ch.next, lo = ch.lo, hi = ch.hi;
     pf.aim_next(k_ptr, v_ptr, row, b, nb, next, nx, block_elems, run, h0, steps);
@@ -165,10 +362,23 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
     // and the softmax goes 16 at a time over [lo16, hi16), the other keys' scores -inf.
     const int64_t lo8 = lo / 8 * 8, hi8 = (hi + 7) / 8 * 8;
     const int64_t lo16 = lo / 16 * 16, hi16 = (hi + 15) / 16 * 16;
+    if (lanes)  // each lane's keys of the chunk (its vector's token's); none for unused lanes
+      for (int64_t x = 0; x < nlg * 16; ++x) {
+        const auto [lo_t, hi_t] = x < xs ? token_keys(tk, x / G, b, nb, bs)
+                                         : std::pair<int64_t, int64_t>{0, 0};
+        w.lane_lo[x] = static_cast<int32_t>(lo_t);
+        w.lane_hi[x] = static_cast<int32_t>(hi_t);
+      }
     for (int64_t h = h0; h < h1; ++h) {
       head_runs(k_ptr, v_ptr, row + b, nb, block_elems, h * run, kblk, vblk);
       const int64_t x0 = (h - h0) * GQ;
-      for (int64_t g = 0; g < GQ; g += 3) {
+      if constexpr (!is_i8) {
+        if (lanes) {
+          lanes_chunk<T>(w, kblk, vblk, bs, D, np, lo, hi, lo16, hi16, h - h0, nlg, xs, x0, pf);
+          if (xs == GQ) continue;
+        }
+      }
+      for (int64_t g = xs; g < GQ; g += 3) {
         const float* qg = w.q.data() + (x0 + g) * D;
         for (int64_t j = lo8; j < hi8; j += 8) {
           pf.step();
@@ -194,7 +404,7 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
       // the previous one's.
       float* mxs = w.mx.data();
       float* alphas = w.alpha.data();
-      for (int64_t g = 0; g < GQ; ++g) {
+      for (int64_t g = xs; g < GQ; ++g) {
         float* sg = s + g * ss;
         const auto [lo_t, hi_t] = token_keys(tk, g / G, b, nb, bs);  // this token's keys
         for (int64_t j = lo16; j < std::min(lo_t, hi16); ++j) sg[j] = ninf;
@@ -204,7 +414,7 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
         mxs[g] = _mm512_reduce_max_ps(mv);
         alphas[g] = advance_max(w.m[x0 + g], mxs[g]);
       }
-      for (int64_t g = 0; g < GQ; ++g) {
+      for (int64_t g = xs; g < GQ; ++g) {
         float* sg = s + g * ss;
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = lo16; j < hi16; j += 16) {
@@ -212,13 +422,14 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
           _mm512_storeu_ps(sg + j, p);
           sum = _mm512_add_ps(sum, p);
         }
-        w.l[x0 + g] = w.l[x0 + g] * alphas[g] + _mm512_reduce_add_ps(sum);
+        // (one rounding, as the lanes' _mm512_fmadd_ps in softmax_lanes)
+        w.l[x0 + g] = std::fma(w.l[x0 + g], alphas[g], _mm512_reduce_add_ps(sum));
         // (past the sum; values_tile16 reads the weights of keys [lo, hi) only)
         if constexpr (is_i8) scale_by_block(sg, ss, 1, vsb, bs, lo8, hi8);
         rescale16(w.acc.data() + (x0 + g) * D, D, alphas[g]);
       }
       float* a = w.acc.data() + x0 * D;
-      for (int64_t g = 0; g < GQ; g += 4)
+      for (int64_t g = xs; g < GQ; g += 4)
         for (int64_t d = 0; d < D; d += 32 * np) {
           pf.step();
           const float* pg = s + g * ss;
@@ -229,6 +440,9 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
         }
     }
   }
+  if (lanes)  // the sums by lane, back by vector
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t x = 0; x < xs; ++x) w.l[h * GQ + x] = w.ll[(h * nlg + x / 16) * 16 + x % 16];
   // Back in order (a bfloat16 piece's even and odd dims interleaved) and divided by the sum.
   const __m512i lo_dims = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i hi_dims = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,

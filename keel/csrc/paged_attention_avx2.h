@@ -166,7 +166,10 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
   pf.bytes = nh * run * static_cast<int64_t>(sizeof(T));
   const T* kblk[kChunkBlocks];
   const T* vblk[kChunkBlocks];
-  for (int64_t b = start / bs; b < b_end; b += cb) {
+  // Chunks start at multiples of cb blocks, wherever the keys start, so that a token's
+  // online softmax steps over the same chunks in a group as alone (with a sliding window, a
+  // group's first key is its first token's).
+  for (int64_t b = start / bs / cb * cb; b < b_end; b += cb) {
     const Chunk ch = chunk_at(b, cb, b_end, bs, start, len);
     const int64_t nb = ch.nb, next = ch.next, lo = ch.lo, hi = ch.hi;
     pf.aim(k_ptr, v_ptr, row, b + nb, next, block_elems, h0 * run, steps);

@@ -162,7 +162,7 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
   pf.bytes = nh * run * static_cast<int64_t>(sizeof(bf16));
   const bf16* kblk[kChunkBlocks];
   const bf16* vblk[kChunkBlocks];
-  for (int64_t b = start / bs; b < b_end; b += cb) {
+  for (int64_t b = start / bs / cb * cb; b < b_end; b += cb) {  // (as decode_row16's chunks)
     const Chunk ch = chunk_at(b, cb, b_end, bs, start, len);
     const int64_t nb = ch.nb, next = ch.next, lo = ch.lo, hi = ch.hi;
     pf.aim_next(k_ptr, v_ptr, row, b, nb, next, nx, block_elems, run, h0, steps);

@@ -235,12 +235,14 @@ inline void rescale16(float* acc, int64_t D, float alpha) {
 
 // The softmax weights exp(e - mx) of 16 scores, 0 for the lanes that are -inf (keys outside
 // the row's range).
-inline __m512 weights16(__m512 e, float mx) {
+// (weights16v: each lane its own maximum; decode_row16's lanes of query vectors.)
+inline __m512 weights16v(__m512 e, __m512 mx) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __mmask16 live = _mm512_cmp_ps_mask(e, ninf, _CMP_NEQ_OQ);
-  const v16 x = (v16)_mm512_sub_ps(e, _mm512_set1_ps(mx));
+  const v16 x = (v16)_mm512_sub_ps(e, mx);
   return _mm512_maskz_mov_ps(live, (__m512)keel::expv(x));
 }
+inline __m512 weights16(__m512 e, float mx) { return weights16v(e, _mm512_set1_ps(mx)); }
 #endif
 
 // f(GT, NP) with GT = gt in 1..4 and NP = np in 1..2 as compile-time constants: the value
@@ -264,6 +266,11 @@ inline void with_tile(int64_t gt, int64_t np, F&& f) {
 struct Scratch {
   std::vector<float> q, acc, m, l, s;
   std::vector<float> mx, alpha;  // decode_row16: each query vector's chunk maximum and rescale
+  // decode_row16 in lanes of query vectors: the queries transposed, the running maxima and
+  // sums by lane, a bfloat16 chunk's keys as floats, each lane's visible keys of the chunk.
+  std::vector<float> qt, lm, ll, kf;
+  std::vector<const float*> kr;  // the chunk's key rows as floats
+  std::vector<int32_t> lane_lo, lane_hi;
   std::vector<uint16_t> p;        // decode_row_bf16: a chunk's weights in bfloat16
   std::vector<c10::BFloat16> zero;  // decode_row_bf16: a row of D zeros
 };

@@ -321,22 +321,32 @@ def test_tokens_of_a_request_read_its_keys_together(window, dtype, cache_dtype, 
 
 
 @pytest.mark.parametrize("window", [0, 7, 40])
-def test_grouped_tokens_give_each_tokens_own_bits(window):
-    """float32: a token read in a group gives the same bits as the token alone (one row per
-    call), so a speculative step's verified tokens are those the steps one token at a time
-    would have computed."""
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32),
+                                                (torch.float32, torch.bfloat16),
+                                                (torch.bfloat16, torch.bfloat16)])
+def test_grouped_tokens_give_each_tokens_own_bits(window, dtype, cache_dtype):
+    """A token read in a group gives the same bits as the token alone (one row per call), so
+    a speculative step's verified tokens are those the steps one token at a time would have
+    computed. On AVX-512 a group's query vectors (3 heads times its tokens) go 16 to a
+    register where a group of 16 lanes gets 12 or more of them, the rest one dims-in-lanes
+    vector at a time: 4 tokens are 12 vectors, 5 are 15, 6 are 16 + 2, 9 are 16 + 11, 16 are
+    three groups of 16."""
     ops = get_cpu_ops()
     assert ops is not None
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, bs = 9, 3, 64, 16
-    blocks = 64
-    k_cache, v_cache = (torch.randn(blocks, kv_heads, bs, dim, generator=g) for _ in range(2))
-    table = torch.randperm(blocks, generator=g).to(torch.int32).view(4, 16)
-    # Request 0: 5 tokens ending at key 200; 1: one; 2: 19 (a group of 16, then 3); 3: 2.
-    rows = torch.tensor([0] * 5 + [1] + [2] * 19 + [3] * 2, dtype=torch.int32)
+    blocks = 96
+    k_cache, v_cache = (torch.randn(blocks, kv_heads, bs, dim, generator=g).to(cache_dtype)
+                        for _ in range(2))
+    table = torch.randperm(blocks, generator=g).to(torch.int32).view(6, 16)
+    # Request 0: 5 tokens ending at key 200; 1: one; 2: 19 (a group of 16, then 3); 3: 2;
+    # 4: 6; 5: 9 and 4 (two groups of one request, split by another's token).
+    rows = torch.tensor([0] * 5 + [1] + [2] * 19 + [3] * 2 + [4] * 6 + [5] * 9 + [3] + [5] * 4,
+                        dtype=torch.int32)
     lens = torch.cat([torch.arange(196, 201), torch.tensor([77]), torch.arange(100, 119),
-                      torch.arange(9, 11)])
-    q = torch.randn(len(rows), heads, dim, generator=g)
+                      torch.arange(9, 11), torch.arange(30, 36), torch.arange(240, 249),
+                      torch.tensor([11]), torch.arange(249, 253)])
+    q = torch.randn(len(rows), heads, dim, generator=g).to(dtype)
     together = ops.paged_attention(q, k_cache, v_cache, table, lens, rows, 0.125, window)
     for t in range(len(rows)):
         alone = ops.paged_attention(q[t : t + 1], k_cache, v_cache, table, lens[t : t + 1],

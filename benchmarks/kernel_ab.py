@@ -93,9 +93,20 @@ def paged_caches(g, dtype, reqs: int = 64, max_keys: int = 869):
     lens = torch.randint(364, 864, (reqs,), generator=g)
     per = -(-max_keys // block)
     table = torch.arange(reqs * per, dtype=torch.int32).view(reqs, per)
-    caches = [tuple(torch.randn(reqs * per, kv_heads, block, dim, generator=g).to(dtype)
-                    for _ in range(2)) for _ in range(30)]
+    caches = [tuple(on_cache_pages(torch.randn(reqs * per, kv_heads, block, dim, generator=g)
+                                   .to(dtype)) for _ in range(2)) for _ in range(30)]
     return lens, table, caches
+
+
+def on_cache_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in memory as the engine's K/V cache has it (keel.attention.layer._zeros:
+    an anonymous mapping, on huge pages where keel puts the cache there), so that reading it
+    meets the TLB as a real step does."""
+    from keel.attention.layer import _zeros
+
+    out = _zeros(tuple(t.shape), t.dtype, t.device)
+    out.copy_(t)
+    return out
 
 
 def attention_case(ops_any, g):

@@ -252,6 +252,7 @@ inline void lanes_chunk(Scratch& w, const T* const* kblk, const T* const* vblk, 
     const float* qt = w.qt.data() + (hh * nlg + lg) * D * 16;
     int64_t j = lo;
     for (; j + 4 <= hi; j += 4) {
+      pf.step();  // twice per 4 keys: the next chunk's lines in smaller bursts
       pf.step();
       scores_lanes<4>(qt, D, kr + j, sT + j * 16);
     }
@@ -338,7 +339,7 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
     w.lane_lo.resize(nlg * 16);
     w.lane_hi.resize(nlg * 16);
   }
-  const int64_t steps = nh * (nlg * ((span + 3) / 4) + (xs + 3) / 4 * (D / (32 * np)) +
+  const int64_t steps = nh * (nlg * ((span + 3) / 4) * 2 + (xs + 3) / 4 * (D / (32 * np)) +
                               (GQ - xs + 2) / 3 * (span / 8) + (GQ - xs + 3) / 4 * (D / (32 * np)));
   float* s = w.s.data();
   Prefetcher<is_f32 ? 2 : 3> pf;

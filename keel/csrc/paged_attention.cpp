@@ -19,7 +19,9 @@
 // Where a pass has several tokens of one request (a speculative step's drafts, a short prompt),
 // `decode_row` and `decode_row16` take up to 16 of them as one item (`Tokens`): each key and
 // value is read once for all their query heads, each token's scores past its own keys weighted
-// 0, and each token's output has the bits it would have alone (a float32 cache).
+// 0, and each token's output has the bits it would have alone. On AVX-512 a group whose query
+// vectors (G heads times its tokens) fill 16 lanes 12 or more at a time puts 16 of them in the
+// lanes instead of a key's dims (`lanes_chunk`, paged_attention_512.h).
 // This file holds that dispatch and the plain loop; the row kernels are in
 // paged_attention_avx2.h (`decode_row`), paged_attention_512.h (`decode_row16`) and
 // paged_attention_bf16.h (`decode_row_bf16`), their chunks and prefetch in

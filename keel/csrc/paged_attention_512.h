@@ -284,7 +284,8 @@ inline void lanes_chunk(Scratch& w, const T* const* kblk, const T* const* vblk, 
 // decode_row_bf16), in 16 lanes: scores 8 keys by up to 3 query vectors at a time, values up
 // to 4 vectors by 64 dims. The tokens `tk` (one, or several of one request) share every key
 // and value read: a KV head's query vectors are its G query heads of each token in turn, keys
-// [start, len) their union. Needs D % 32 == 0 and block_size % 8 == 0.
+// [start, len) their union. Where they fill groups of 16 lanes (kLanesMin), those groups take
+// lanes_chunk instead, key by key. Needs D % 32 == 0 and block_size % 8 == 0.
 template <typename TQ, typename T>
 void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row, int64_t bs,
                   int64_t block_elems, int64_t start, int64_t len, int64_t h0, int64_t h1,

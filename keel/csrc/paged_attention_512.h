@@ -124,46 +124,41 @@ inline void values_tile16(const float* p, int64_t p_stride, const T* const* vblk
 // enough group keep dims in lanes.
 constexpr int64_t kLanesMin = 12;
 
+// The sum over chains l in [L0, L0 + W) of NK keys' scores in reduce8x16's tree (balanced,
+// adjacent pairs): chain l is the FMAs over dims c + l and c + 16 + l for c = 0, 32, ... (the
+// lane order of piece32). The left half is summed before the right one is begun, so that
+// only a path of the tree is live at a time.
+template <int L0, int W, int NK>
+inline void chain_tree(const float* qt, int64_t D, const float* const* kr, __m512* out) {
+  if constexpr (W == 1) {
+#pragma GCC unroll 4
+    for (int k = 0; k < NK; ++k) out[k] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32) {
+      const __m512 q0 = _mm512_loadu_ps(qt + (c + L0) * 16);
+      const __m512 q1 = _mm512_loadu_ps(qt + (c + 16 + L0) * 16);
+#pragma GCC unroll 4
+      for (int k = 0; k < NK; ++k) {
+        out[k] = _mm512_fmadd_ps(q0, _mm512_set1_ps(kr[k][c + L0]), out[k]);
+        out[k] = _mm512_fmadd_ps(q1, _mm512_set1_ps(kr[k][c + 16 + L0]), out[k]);
+      }
+    }
+  } else {
+    __m512 right[NK];
+    chain_tree<L0, W / 2, NK>(qt, D, kr, out);
+    chain_tree<L0 + W / 2, W / 2, NK>(qt, D, kr, right);
+#pragma GCC unroll 4
+    for (int k = 0; k < NK; ++k) out[k] = _mm512_add_ps(out[k], right[k]);
+  }
+}
+
 // Scores of NK keys (rows kr[i] of D floats in lane order) against 16 query vectors (qt: [D]
 // rows of 16 lanes, the vectors' dims in lane order, scaled): sT[i * 16 + x].
 template <int NK>
 inline void scores_lanes(const float* qt, int64_t D, const float* const* kr, float* sT) {
-  __m512 half[2][NK];
-#pragma GCC unroll 2
-  for (int hq = 0; hq < 2; ++hq) {
-    __m512 quad[2][NK];
-#pragma GCC unroll 2
-    for (int qq = 0; qq < 2; ++qq) {
-      __m512 pair[2][NK];
-#pragma GCC unroll 2
-      for (int pp = 0; pp < 2; ++pp) {
-        __m512 e[2][NK];
-#pragma GCC unroll 2
-        for (int i = 0; i < 2; ++i) {
-          const int l = 8 * hq + 4 * qq + 2 * pp + i;  // the chain's lane of a piece
+  __m512 total[NK];
+  chain_tree<0, 16, NK>(qt, D, kr, total);
 #pragma GCC unroll 4
-          for (int k = 0; k < NK; ++k) e[i][k] = _mm512_setzero_ps();
-          for (int64_t c = 0; c < D; c += 32) {
-            const __m512 q0 = _mm512_loadu_ps(qt + (c + l) * 16);
-            const __m512 q1 = _mm512_loadu_ps(qt + (c + 16 + l) * 16);
-#pragma GCC unroll 4
-            for (int k = 0; k < NK; ++k) {
-              e[i][k] = _mm512_fmadd_ps(q0, _mm512_set1_ps(kr[k][c + l]), e[i][k]);
-              e[i][k] = _mm512_fmadd_ps(q1, _mm512_set1_ps(kr[k][c + 16 + l]), e[i][k]);
-            }
-          }
-        }
-#pragma GCC unroll 4
-        for (int k = 0; k < NK; ++k) pair[pp][k] = _mm512_add_ps(e[0][k], e[1][k]);
-      }
-#pragma GCC unroll 4
-      for (int k = 0; k < NK; ++k) quad[qq][k] = _mm512_add_ps(pair[0][k], pair[1][k]);
-    }
-#pragma GCC unroll 4
-    for (int k = 0; k < NK; ++k) half[hq][k] = _mm512_add_ps(quad[0][k], quad[1][k]);
-  }
-#pragma GCC unroll 4
-  for (int k = 0; k < NK; ++k) _mm512_storeu_ps(sT + k * 16, _mm512_add_ps(half[0][k], half[1][k]));
+  for (int k = 0; k < NK; ++k) _mm512_storeu_ps(sT + k * 16, total[k]);
 }
 
 // _mm512_reduce_add_ps's tree, lane by lane: out lane x = the tree over a[0..15]'s lane x.

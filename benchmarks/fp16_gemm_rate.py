@@ -20,6 +20,11 @@ import time
 import torch
 
 from keel.cpu_ops import get_cpu_ops
+from keel.model_executor.layers.gemm_choice import (
+    onednn_gemm_supported,
+    pack_weight,
+    packed_linear,
+)
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one layer's GEMMs
 
@@ -35,15 +40,20 @@ def main() -> None:
     i16 = ops is not None and ops.i16_gemm_available()
     assert fp16 or i16, "needs keel's kernels with AVX512-FP16 or AVX512-VNNI"
     torch.manual_seed(0)
-    layers = []
+    layers, bf16_layers = [], []
+    # oneDNN's bfloat16 GEMM (packed, as keel's bfloat16 layers run it) where the CPU has native
+    # bfloat16 dot products: the rate a bfloat16 model's GEMMs reach, beside the int16 ones.
+    bf16 = onednn_gemm_supported(torch.empty(16, 16, dtype=torch.bfloat16))
     for _ in range(args.layers):
         for n, k in SHAPES:
             w = (torch.randn(n, k) * 0.05).bfloat16()
             packed16, w_max = ops.fp16_gemm_pack(w) if fp16 else (None, 0.0)
             packed_i16 = ops.i16_gemm_pack(w) if i16 else None
             layers.append((n, k, ops.gemm_pack(w), packed16, w_max, w.float(), packed_i16))
+            bf16_layers.append((k, pack_weight(w) if bf16 else None))
     flops = {m: sum(2 * m * n * k for n, k, *_ in layers) for m in args.rows}
     xs = {(m, k): torch.randn(m, k) for m in args.rows for k in {k for _, k in SHAPES}}
+    xs_bf16 = {key: x.bfloat16() for key, x in xs.items()}
 
     def keel_f32(m):
         for n, k, p32, *_ in layers:
@@ -61,12 +71,18 @@ def main() -> None:
         for n, k, _, _, _, w, _ in layers:
             torch.nn.functional.linear(xs[m, k], w)
 
+    def onednn_bf16(m):
+        for k, packed in bf16_layers:
+            packed_linear(xs_bf16[m, k], packed)
+
     engines = {"keel float32 (gemm)": keel_f32}
     if fp16:
         engines["keel fp16 (fp16_gemm)"] = keel_f16
     if i16:
         engines["keel int16 (i16_gemm)"] = keel_i16
     engines["oneDNN float32"] = onednn
+    if bf16:
+        engines["oneDNN bfloat16"] = onednn_bf16
     print(f"# {torch.get_num_threads()} threads, {args.layers} layers, "
           f"cpu: {', '.join(ops.built_for())}")
     for m in args.rows:

@@ -150,6 +150,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("rows"), py::arg("scale"), py::arg("sliding_window"),
         py::arg("key_scale") = py::none(), py::arg("value_scale") = py::none());
+  m.def("attention_prefetch_into_l2", &attention_prefetch_into_l2,
+        "whether decode attention prefetches a 16-bit or int8 cache's next chunk into L2 "
+        "(else L1); set= changes it for this process", py::arg("set") = py::none());
   m.def("prefill_attention", &prefill_attention, "causal attention of one long prompt chunk");
   m.def("prefill_attention_amx", &prefill_attention_amx,
         "causal attention of one long bfloat16 prompt chunk on AMX tiles");

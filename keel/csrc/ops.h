@@ -21,6 +21,9 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
                            std::optional<at::Tensor> rows, double scale, int64_t sliding_window,
                            std::optional<at::Tensor> key_scale = std::nullopt,
                            std::optional<at::Tensor> value_scale = std::nullopt);
+// Whether decode attention prefetches a 16-bit or int8 cache's next chunk into L2 (else L1);
+// `set` changes it for this process. Chosen for the CPU at first use (paged_attention_common.h).
+bool attention_prefetch_into_l2(std::optional<bool> set = std::nullopt);
 // Causal attention of one prompt chunk (query [L, H, D]) over its S >= L keys, into out.
 void prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor out,
                        double scale, int64_t sliding_window);

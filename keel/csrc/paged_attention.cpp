@@ -302,3 +302,8 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
   });
   return out;
 }
+
+bool attention_prefetch_into_l2(std::optional<bool> set) {
+  if (set.has_value()) attention_prefetch_l2() = *set;
+  return attention_prefetch_l2();
+}

@@ -338,7 +338,7 @@ void decode_row16(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* ro
   const int64_t steps = nh * (nlg * ((span + 3) / 4) * 2 + (xs + 3) / 4 * (D / (32 * np)) +
                               (GQ - xs + 2) / 3 * (span / 8) + (GQ - xs + 3) / 4 * (D / (32 * np)));
   float* s = w.s.data();
-  Prefetcher<is_f32 ? 2 : 3> pf;
+  Prefetcher pf(is_f32 || attention_prefetch_l2());
   pf.bytes = nh * run * static_cast<int64_t>(sizeof(T));
   const T* kblk[kChunkBlocks];
   const T* vblk[kChunkBlocks];

@@ -162,7 +162,7 @@ void decode_row(const TQ* q, const T* k_ptr, const T* v_ptr, const int32_t* row,
   const int64_t tiles = (GQ + 1) / 2;
   const int64_t steps = nh * (GQ * span / 8 + tiles * D / 32);  // pf.step() per chunk
   float* s = w.s.data();
-  Prefetcher<2> pf;
+  Prefetcher pf(true);
   pf.bytes = nh * run * static_cast<int64_t>(sizeof(T));
   const T* kblk[kChunkBlocks];
   const T* vblk[kChunkBlocks];

@@ -82,7 +82,7 @@ inline __m512 scores16_bf16(const bf16* q, const bf16* k0, const bf16* k1, int64
 template <int GT, int NV>
 inline void values_pairs(const uint16_t* pp, int64_t span, const bf16* const* vblk, int64_t bs,
                          int64_t D, int64_t d0, int64_t lo, int64_t hi, const bf16* zero,
-                         float* acc, int64_t acc_stride, Prefetcher<3>& pf) {
+                         float* acc, int64_t acc_stride, Prefetcher& pf) {
   __m512 a[GT][2 * NV];
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g)
@@ -158,7 +158,7 @@ void decode_row_bf16(const bf16* q, const bf16* k_ptr, const bf16* v_ptr, const 
   float* s = w.s.data();
   uint16_t* pp = w.p.data();
   const __m512 ones = _mm512_castsi512_ps(_mm512_set1_epi16(0x3F80));  // bfloat16 1.0
-  Prefetcher<3> pf;
+  Prefetcher pf(attention_prefetch_l2());
   pf.bytes = nh * run * static_cast<int64_t>(sizeof(bf16));
   const bf16* kblk[kChunkBlocks];
   const bf16* vblk[kChunkBlocks];

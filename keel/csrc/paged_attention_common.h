@@ -159,8 +159,8 @@ struct NextItem {  // the thread's next item: its first chunk is prefetched duri
 // (twenty-first round). Into L2 on AMD: on an EPYC Zen 4 with AVX512-BF16 the prefetches into
 // L1 stalled the core (20% of decode_row16's samples on the prefetch loop, its L1 misses all
 // outstanding), and into L2 a decode step's attention over 364-864 keys of 30 layers' bfloat16
-// caches ran 1.76x faster with float32 queries and 1.57x with bfloat16 ones (the same bits;
-// BENCHMARKS.md, sixty-first round). KEEL_ATTN_PREFETCH_L2=0|1 forces it (read once);
+// caches ran 1.76x faster with float32 queries and 1.57x with bfloat16 ones, over int8 caches
+// 1.10x (the same bits; BENCHMARKS.md, sixty-first round). KEEL_ATTN_PREFETCH_L2=0|1 forces it (read once);
 // `set_attention_prefetch_l2` changes it in a running process (the tests).
 inline bool& attention_prefetch_l2() {
   static bool l2 = [] {

@@ -304,6 +304,6 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
 }
 
 bool attention_prefetch_into_l2(std::optional<bool> set) {
-  if (set.has_value()) attention_prefetch_l2() = *set;
+  if (set.has_value()) attention_prefetch_l2_flag().store(*set, std::memory_order_relaxed);
   return attention_prefetch_l2();
 }

@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -160,10 +161,11 @@ struct NextItem {  // the thread's next item: its first chunk is prefetched duri
 // L1 stalled the core (20% of decode_row16's samples on the prefetch loop, its L1 misses all
 // outstanding), and into L2 a decode step's attention over 364-864 keys of 30 layers' bfloat16
 // caches ran 1.76x faster with float32 queries and 1.57x with bfloat16 ones, over int8 caches
-// 1.10x (the same bits; BENCHMARKS.md, sixty-first round). KEEL_ATTN_PREFETCH_L2=0|1 forces it (read once);
-// `set_attention_prefetch_l2` changes it in a running process (the tests).
-inline bool& attention_prefetch_l2() {
-  static bool l2 = [] {
+// 1.10x (the same bits; BENCHMARKS.md, sixty-first round). Chosen at first use;
+// KEEL_ATTN_PREFETCH_L2=0|1 forces it, and `attention_prefetch_into_l2(set=)` changes it in a
+// running process (the tests). Atomic: a kernel's threads read it while a test may set it.
+inline std::atomic<bool>& attention_prefetch_l2_flag() {
+  static std::atomic<bool> l2 = [] {
     const char* e = std::getenv("KEEL_ATTN_PREFETCH_L2");
     if (e != nullptr && (e[0] == '0' || e[0] == '1') && e[1] == '\0') return e[0] == '1';
 #if defined(__x86_64__) || defined(__i386__)
@@ -173,6 +175,10 @@ inline bool& attention_prefetch_l2() {
 #endif
   }();
   return l2;
+}
+
+inline bool attention_prefetch_l2() {
+  return attention_prefetch_l2_flag().load(std::memory_order_relaxed);
 }
 
 // The next chunk's K and V runs, a few lines at a time, spread over this chunk's work: the

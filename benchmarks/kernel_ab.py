@@ -20,7 +20,8 @@ Cases, on the default model's shapes (bfloat16 unless said, 64 rows as a decode 
   streamed from memory as in a step; [gate; up] with SiLU in the epilogue).
 - `head`: the LM head, 64 x 49,152 x 576 from memory (a 256 MB sweep before each call, not
   timed): amx_gemm then argmax_rows, and amx_gemm_argmax.
-- `attention`: paged_attention over 30 layers' bfloat16 caches, 64 rows x 364-864 keys.
+- `attention`: paged_attention over 30 layers' bfloat16 caches, 64 rows x 364-864 keys, with
+  bfloat16 queries and with float32 ones (`auto` on a CPU without AMX).
 - `tokens`: paged_attention over float32 caches: 64 decode rows and 64 x 5 tokens (a
   speculative step) over 364-864 keys, 30 layers' caches; 64 short prompts' tokens.
 - `prefill`: prefill_attention over 5 whole prompts of 310-790 tokens (the long workload's
@@ -113,11 +114,13 @@ def attention_case(ops_any, g):
     heads, dim, rows = 9, 64, 64
     lens, table, caches = paged_caches(g, torch.bfloat16, rows, 864)
     q = torch.randn(rows, heads, dim, generator=g).bfloat16()
+    qf = q.float()  # dtype="auto" without AMX: float32 queries over the bfloat16 cache
 
-    def run(ops):
+    def run(ops, q=q):
         for k, v in caches:
             ops.paged_attention(q, k, v, table, lens, None, dim ** -0.5, 0)
-    return {"decode attention, 30 layers (paged_attention)": (run, None)}
+    return {"decode attention, 30 layers (paged_attention)": (run, None),
+            "the same with float32 queries (auto without AMX)": (lambda ops: run(ops, qf), None)}
 
 
 def tokens_case(ops_any, g):

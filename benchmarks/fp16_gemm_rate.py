@@ -53,7 +53,8 @@ def main() -> None:
             packed16, w_max = ops.fp16_gemm_pack(w) if fp16 else (None, 0.0)
             packed_i16 = ops.i16_gemm_pack(w) if i16 else None
             layers.append((n, k, ops.gemm_pack(w), packed16, w_max, w.float(), packed_i16))
-            bf16_layers.append((k, pack_weight(w) if bf16 else None))
+            if bf16:
+                bf16_layers.append((k, pack_weight(w)))
     flops = {m: sum(2 * m * n * k for n, k, *_ in layers) for m in args.rows}
     xs = {(m, k): torch.randn(m, k) for m in args.rows for k in {k for _, k in SHAPES}}
     xs_bf16 = {key: x.bfloat16() for key, x in xs.items()}

@@ -154,8 +154,9 @@ struct NextItem {  // the thread's next item: its first chunk is prefetched duri
   int64_t b0 = 0, nb = 0, h0 = 0;  // first block, blocks of the first chunk, first KV head
 };
 
-// Where the next chunk of a bfloat16 or int8 cache is prefetched (a float32 cache's always
-// goes into L2: decode_row, a float32 chunk's 24 KB into L1 read level, thirty-first round).
+// Where the AVX-512 kernels (decode_row16, decode_row_bf16) prefetch the next chunk of a
+// bfloat16 or int8 cache. A float32 cache's always goes into L2 (a float32 chunk's 24 KB into
+// L1 read level, thirty-first round), and so does every chunk of the AVX2 kernel.
 // Into L1 on Intel: decode_row_bf16's 24 KB ran 3-10% faster from memory than into L2
 // (twenty-first round). Into L2 on AMD: on an EPYC Zen 4 with AVX512-BF16 the prefetches into
 // L1 stalled the core (20% of decode_row16's samples on the prefetch loop, its L1 misses all

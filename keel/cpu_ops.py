@@ -23,7 +23,7 @@
   with AVX512-FP16 and no AMX tiles: dtype="auto" runs a float32 model's GEMMs on it there
   (layers/gemm_choice.py fp16_gemm_chosen).
 - `i16_gemm_pack`, `i16_gemm` (csrc/i16_gemm.cpp, AVX512-VNNI; `i16_gemm_available()`):
-  float32 x @ W^T on int16 dot products, x and W scaled per block of 64 values of k, for
+  float32 x @ W^T on int16 dot products, x and W scaled per block of 128 values of k, for
   CPUs with AVX512-VNNI and neither AMX tiles nor AVX512-FP16: dtype="auto" runs a float32
   model's GEMMs on it there (layers/gemm_choice.py fp16_gemm_chosen).
 - `DecodePlan` (csrc/decode_layers.cpp): a Llama-family model's decoder layers for a pass of

@@ -18,11 +18,20 @@
 // slower); at the default model's shapes with the weights from memory this GEMM ran 1.73x
 // keel's float32 GEMM at 64 rows and 1.92x at 512 (benchmarks/fp16_gemm_rate.py).
 //
-// Accuracy: each block of kBlock values of a row of x, and of a column of W, is scaled so that
-// its largest |value| is kQ (int16 with 12.5 bits): a value's error is at most the block's
-// largest |value| / (2 kQ), against |value| / 512 for a value rounded to bfloat16, as
-// dtype="auto" computes a float32 model where the CPU has AMX tiles. No int32 sum overflows:
-// kBlock products of at most kQ^2 each stay below 2^31.
+// Accuracy: each block of kBlock = 128 values of a row of x is scaled so that its largest
+// |value| is kQ = 11585 (int16 with 13.5 bits): a value's error is at most the block's largest
+// |value| / (2 kQ), against |value| / 512 for a value rounded to bfloat16, as dtype="auto"
+// computes a float32 model where the CPU has AMX tiles. A block of W likewise, with the step
+// the overflow rule below allows: kQ where it fits, else kq < kQ (the default model's decoder
+// weights: a median kq of 5,453, 10% below 4,487).
+//
+// No int32 sum overflows: a block's sum is at most kQ (x's largest |int16|) times the sum of
+// the W block's |int16| values, and the packing keeps that sum at most kL1Max, so below 2^31.
+// Blocks of 64 values at 5,792 each (64 kQ^2 < 2^31, the scheme before this one) needed no
+// such rule, but cost a float32 epilogue per 64 values of k and steps twice x's: on the default
+// model's layers over a real prompt's activations this scheme's mean error is 0.79x that
+// scheme's (1/7.8 of bfloat16 arithmetic's, against 1/6.2), and its GEMMs ran 1.03-1.06x
+// faster (BENCHMARKS.md, sixty-second round).
 //
 // The layout is fp16_gemm's: a panel row holds 16 output columns for two values of k (lane
 // 2j: w[k][j], lane 2j + 1: w[k + 1][j]); x's (x[k], x[k + 1]) pairs are read by one 32-bit
@@ -47,26 +56,46 @@
 
 namespace {
 constexpr int64_t kCols = 16;         // output columns per panel; a panel row is 32 int16 lanes
-constexpr int64_t kPairs = 32;        // pairs of k per scaled block
+constexpr int64_t kPairs = 64;        // pairs of k per scaled block
 constexpr int64_t kBlock = 2 * kPairs;
-constexpr float kQ = 5792.0f;         // 64 * 5792^2 < 2^31: no block's int32 sum overflows
+constexpr float kQ = 11585.0f;        // the largest |int16| of a block (2^13.5)
+// The largest sum of a W block's |int16| values: kQ * kL1Max < 2^31, so that no block's int32
+// sum overflows. A block whose sum at kQ is larger is scaled again to kL1Target (rounding adds
+// less than 128 to that).
+constexpr int64_t kL1Max = 2147483647 / static_cast<int64_t>(kQ);  // 185,368
+constexpr double kL1Target = static_cast<double>(kL1Max - 256);
 constexpr int64_t kBlockRows = 256;   // rows whose int16 copy the panels pass over in turn
 
-// v's block [0, n) as int16 steps of scale amax / kQ (the scale returned; 0 for a block of
-// zeros): q = round-half-even(v * (kQ / amax)), as the tests compute it in torch. `rint`
+// v's block [0, n) as int16 steps of scale amax / kq (the scale returned; 0 for a block of
+// zeros): q = round-half-even(v * (kq / amax)), as the tests compute it in torch. `rint`
 // rounds as `nearbyint` does in the default mode, and the compiler makes it one instruction
 // (a 16-lane loop) where `nearbyint` was a library call per value.
-inline float quantize_block(const float* v, int64_t n, int16_t* q) {
+inline float quantize_block(const float* v, int64_t n, int16_t* q, float kq = kQ) {
   float amax = 0.0f;
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(v[i]));
   if (!(amax > 0.0f)) {
     std::fill(q, q + n, int16_t{0});
     return 0.0f;
   }
-  const float inv = kQ / amax;
+  const float inv = kq / amax;
   for (int64_t i = 0; i < n; ++i)
-    q[i] = static_cast<int16_t>(std::clamp(std::rint(v[i] * inv), -kQ, kQ));
-  return amax / kQ;
+    q[i] = static_cast<int16_t>(std::clamp(std::rint(v[i] * inv), -kq, kq));
+  return amax / kq;
+}
+
+// A W block: as quantize_block, then, where the sum of its |int16| values passes kL1Max, again
+// with the step kq = floor(kQ * kL1Target / sum) (an integer, as the tests compute it).
+inline float quantize_weight_block(const float* v, int64_t n, int16_t* q) {
+  float scale = quantize_block(v, n, q);
+  int64_t l1 = 0;
+  for (int64_t i = 0; i < n; ++i) l1 += std::abs(static_cast<int64_t>(q[i]));
+  if (l1 > kL1Max) {
+    scale = quantize_block(v, n, q, static_cast<float>(std::floor(kQ * kL1Target / l1)));
+    l1 = 0;
+    for (int64_t i = 0; i < n; ++i) l1 += std::abs(static_cast<int64_t>(q[i]));
+    TORCH_CHECK(l1 <= kL1Max, "i16_gemm_pack: a block's int16 sum ", l1, " passes ", kL1Max);
+  }
+  return scale;
 }
 }  // namespace
 
@@ -95,7 +124,7 @@ std::tuple<at::Tensor, at::Tensor> i16_gemm_pack(at::Tensor weight) {
         const int64_t k0 = blk * kBlock, len = std::min(kBlock, k - k0);
         for (int64_t j = 0; j < cols; ++j) {
           sc[(p * blocks + blk) * kCols + j] =
-              quantize_block(src + (p * kCols + j) * k + k0, len, q[j]);
+              quantize_weight_block(src + (p * kCols + j) * k + k0, len, q[j]);
           if (len % 2) q[j][len] = 0;  // an odd k's last pair (len < kBlock then)
         }
         int16_t* d = dst + (p * pairs + k0 / 2) * 2 * kCols;

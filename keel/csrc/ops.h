@@ -100,7 +100,7 @@ at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
                      std::optional<at::Tensor> bias, bool silu_mul = false);
 bool fp16_gemm_available();
 // float32 x [M, K] @ W^T (+ bias) on AVX512-VNNI's int16 dot products (i16_gemm.cpp): x and W
-// as int16 scaled per block of 64 values of k (W's by i16_gemm_pack, with its scales), each
+// as int16 scaled per block of 128 values of k (W's by i16_gemm_pack, with its scales), each
 // block's products summed exactly in int32; silu_mul as fp16_gemm's.
 std::tuple<at::Tensor, at::Tensor> i16_gemm_pack(at::Tensor weight);
 at::Tensor i16_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t n,

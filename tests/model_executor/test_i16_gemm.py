@@ -1,9 +1,10 @@
 """keel's int16 dot-product GEMM (keel/csrc/i16_gemm.cpp, for CPUs with AVX512-VNNI and
 neither AMX nor AVX512-FP16, where dtype="auto" runs a float32 model's GEMMs on it): the
-packing is W's blocks of 64 values of k as int16 (round half to even of w * 5792 / amax) with
-their scales, computed here in torch; the product is the blocks' exact int32 sums scaled and
-summed in float32, against a float64 reference of those same int16 values, and much closer to
-the exact product than bfloat16 arithmetic is; no int32 sum overflows at the largest values;
+packing is W's blocks of 128 values of k as int16 (round half to even of w * 11585 / amax, or
+of a smaller step where the block's |int16| values would sum past 185,367) with their scales,
+computed here in torch; the product is the blocks' exact int32 sums scaled and summed in
+float32, against a float64 reference of those same int16 values, and much closer to the exact
+product than bfloat16 arithmetic is; no int32 sum overflows at the largest values;
 a NaN or an infinity in x makes its row's outputs NaN; silu in the epilogue gives
 silu_and_mul's bits; passes of many rows go in blocks. Where the build has no AVX512-VNNI the op
 says so and raises (the test checks that instead)."""
@@ -15,8 +16,10 @@ import torch
 
 from keel.cpu_ops import get_cpu_ops
 
-Q = 5792.0  # the largest int16 magnitude a block is scaled to
-BLOCK = 64  # values of k per scaled block
+Q = 11585.0  # the largest int16 magnitude a block is scaled to
+BLOCK = 128  # values of k per scaled block
+L1_MAX = 185367  # the largest sum of a W block's |int16| values: Q * L1_MAX < 2^31
+L1_TARGET = L1_MAX - 256.0  # a W block past L1_MAX is scaled again to about this sum
 
 
 @pytest.fixture(scope="module")
@@ -27,24 +30,36 @@ def ops():
     return ops
 
 
-def quantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of v [R, K] (float32) in blocks of 64: the int16 values [R, K] and each block's
-    scale [R, blocks], as the kernel computes them (float32 products, ties to even)."""
+def quantize(v: torch.Tensor, weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of v [R, K] (float32) in blocks of 128: the int16 values [R, K] and each block's
+    scale [R, blocks], as the kernel computes them (float32 products, ties to even). A weight's
+    block whose |int16| values sum past L1_MAX takes the step floor(Q * L1_TARGET / sum)."""
     r, k = v.shape
     blocks = (k + BLOCK - 1) // BLOCK
     padded = torch.zeros(r, blocks * BLOCK)
     padded[:, :k] = v
     b = padded.view(r, blocks, BLOCK)
     amax = b.abs().amax(-1)
-    inv = torch.where(amax > 0, torch.tensor(Q) / amax, torch.zeros(()))
-    q = torch.round(b * inv[..., None]).clamp(-Q, Q)
-    return q.view(r, -1)[:, :k].to(torch.int16), torch.where(amax > 0, amax / Q, amax)
+    kq = torch.full_like(amax, Q)
+
+    def steps(kq):
+        inv = torch.where(amax > 0, kq / amax, torch.zeros(()))
+        return torch.maximum(torch.minimum(torch.round(b * inv[..., None]), kq[..., None]),
+                             -kq[..., None])
+
+    q = steps(kq)
+    if weight:
+        l1 = q.abs().sum(-1, dtype=torch.float64)  # exact: integers below 2^53
+        over = l1 > L1_MAX
+        kq = torch.where(over, torch.floor(Q * L1_TARGET / l1).float(), kq)
+        q = steps(kq)
+    return q.view(r, -1)[:, :k].to(torch.int16), torch.where(amax > 0, amax / kq, amax)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """The float64 product of the int16 blocks, scaled: what the kernel sums in float32."""
     qx, sx = quantize(x)
-    qw, sw = quantize(w)
+    qw, sw = quantize(w, weight=True)
     k = x.shape[1]
     out = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
     for blk in range(sx.shape[1]):
@@ -54,16 +69,17 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
     return out if b is None else out + b.double()
 
 
-@pytest.mark.parametrize("k", [150, 151])  # an odd number of pairs; an odd k's last pair
+@pytest.mark.parametrize("k", [300, 301])  # an odd number of pairs; an odd k's last pair
 def test_packing_is_the_blocks_int16_values(ops, k):
     g = torch.Generator().manual_seed(1)
     n = 40  # a partial panel, and k a partial block
     w = torch.randn(n, k, generator=g) * 0.05
     w[3] = 0.0  # a column of zeros: scale 0, values 0
+    w[5, :BLOCK] = torch.where(torch.rand(BLOCK, generator=g) < 0.5, -0.3, 0.3)  # past L1_MAX
     packed, scales = ops.i16_gemm_pack(w)
     assert packed.dtype == torch.int16 and tuple(packed.shape) == (3, (k + 1) // 2, 32)
     assert scales.dtype == torch.float32 and tuple(scales.shape) == (3, 3, 16)
-    q, s = quantize(w)
+    q, s = quantize(w, weight=True)
     for j in range(n):
         p, lane = divmod(j, 16)
         col = packed[p, :, 2 * lane : 2 * lane + 2].reshape(-1)
@@ -71,7 +87,13 @@ def test_packing_is_the_blocks_int16_values(ops, k):
         assert (col[k:] == 0).all(), j  # the pad of an odd k's last pair
         assert torch.equal(scales[p, :, lane], s[j]), j
     assert (packed[2, :, 16:] == 0).all() and (scales[2, :, 8:] == 0).all()  # padding columns
-    assert packed.abs().max().item() == Q
+    assert packed.abs().max().item() == Q  # (a block of few values keeps the largest step)
+    # Column 5's first block, all at its largest |value|, took the smaller step.
+    col5 = packed[0, : BLOCK // 2, 10:12].reshape(-1).abs()
+    assert (col5 == 1446).all()  # floor(11585 * 185111 / (128 * 11585))
+    for p in range(3):  # no block's |int16| values sum past L1_MAX
+        for blk in range(0, (k + 1) // 2, BLOCK // 2):
+            assert packed[p, blk : blk + BLOCK // 2].view(-1, 16, 2).abs().sum((0, 2)).max() <= L1_MAX
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 48, 64), (5, 960, 576), (10, 576, 576), (23, 40, 33),
@@ -104,10 +126,25 @@ def test_matches_the_reference(ops, m, n, k, with_bias):
 
 
 def test_no_int32_sum_overflows(ops):
-    """Every value of a block at the largest int16 magnitude, both signs: 64 products of
-    5792^2 each are the largest sum a block can reach (2,147,024,896 < 2^31)."""
+    """A W block whose |int16| values sum to L1_MAX exactly, against x's largest values of
+    either sign, reaches the largest sum a block can: 11585 * 185,367 = 2,147,476,695 < 2^31.
+    A block with every value at its largest (whose sum at 11585 would be 128 * 11585^2 ~ 2^34)
+    is packed with a smaller step instead, and gives its exact product too."""
     if not ops.i16_gemm_available():
         return
+    k = 3 * BLOCK
+    # Per block: 16 values at the block's largest, one of 7 steps, the rest 0.
+    w = torch.zeros(16, k)
+    for b0 in range(0, k, BLOCK):
+        w[:, b0 : b0 + 16] = 1.0
+        w[:, b0 + 16] = 7 / Q
+    packed, scales = ops.i16_gemm_pack(w)
+    assert packed[0, : BLOCK // 2, 0:2].abs().sum().item() == L1_MAX  # not scaled again
+    x = torch.stack([torch.ones(k), -torch.ones(k) * 1e6])
+    out = ops.i16_gemm(x, packed, scales, 16)
+    exact = reference(x, w, None)
+    assert torch.allclose(out.double(), exact, rtol=1e-6)
+    assert torch.allclose(out[0], torch.full((16,), 3 * (16 + 7 / Q)), rtol=1e-6)
     k = 4 * BLOCK
     x = torch.stack([torch.ones(k), -torch.ones(k) * 1e6, torch.full((k,), 3e-30)])
     w = torch.ones(32, k)

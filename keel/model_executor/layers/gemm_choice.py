@@ -40,11 +40,12 @@ model's shapes with the weights from memory it ran 1.77x keel's float32 GEMM at 
 1.80-1.96x at 512-2,048 (BENCHMARKS.md, forty-sixth round), and its mean error is below
 bfloat16 arithmetic's.
 Where it has neither, but AVX512-VNNI, the same choice takes int16 dot products instead
-(csrc/i16_gemm.cpp: x and W as int16 scaled per block of 64 values of k, exact int32 sums of a
-block): one `vpdpwssd` does twice a float32 FMA's products. On an AVX-512 Xeon without AMX,
+(csrc/i16_gemm.cpp: x and W as int16 scaled per block of 128 values of k, exact int32 sums of
+a block): one `vpdpwssd` does twice a float32 FMA's products. On an AVX-512 Xeon without AMX,
 AVX512-BF16 or -FP16 the 120 decode GEMMs from memory ran 1.73x keel's float32 GEMM at 64 rows
-(1.92x at 512), and its mean error is about a thirteenth of bfloat16 arithmetic's
-(BENCHMARKS.md, fiftieth round).
+(1.92x at 512; BENCHMARKS.md, fiftieth round). Its mean error is about 1/8 of bfloat16
+arithmetic's on the default model's layers and activations, 1/14 on random data
+(benchmarks/i16_accuracy.py; sixty-second round).
 dtype="float32" keeps float32 GEMMs.
 """
 

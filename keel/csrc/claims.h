@@ -72,20 +72,20 @@ void on_threads(int64_t threads, const F& f) {
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { f(); });
 }
 
-// The schedule fp16_gemm and i16_gemm share: every (block of kBlockRows rows, pair of adjacent
-// panels) item, block by block, the threads claiming runs of items within a block (x's copy of
-// the block stays in L2 while every pair passes over it). Before the last item of its run a
-// thread claims its next run, so that the item's tiles can prefetch the next item's panels
-// into L2, an even share each (gemm.cpp does the same). An item's tiles are as few as kMaxRows
-// allows and as even as can be (64 rows of 10-row tiles: 10 + 6 x 9, not 6 x 10 + 4).
-// tile(p, np, r0, rows, pf, pf_end) runs rows r0 .. r0 + rows against panel p (and p + 1 when
-// np == 2), prefetching the lines pf .. pf_end; `weights` is the first panel, each
-// `panel_bytes` long.
-template <int64_t kBlockRows, int64_t kMaxRows, typename Tile>
+// The schedule fp16_gemm and i16_gemm share: every (block of kBlockRows rows, group of kGroup
+// adjacent panels: a pair unless said) item, block by block, the threads claiming runs of
+// items within a block (x's copy of the block stays in L2 while every group passes over it).
+// Before the last item of its run a thread claims its next run, so that the item's tiles can
+// prefetch the next item's panels into L2, an even share each (gemm.cpp does the same). An
+// item's tiles are as few as kMaxRows allows and as even as can be (64 rows of 10-row tiles:
+// 10 + 6 x 9, not 6 x 10 + 4). tile(p, np, r0, rows, pf, pf_end) runs rows r0 .. r0 + rows
+// against the np (up to kGroup) panels from p, prefetching the lines pf .. pf_end; `weights`
+// is the first panel, each `panel_bytes` long.
+template <int64_t kBlockRows, int64_t kMaxRows, int64_t kGroup = 2, typename Tile>
 __attribute__((always_inline)) inline void run_panel_pairs(int64_t m, int64_t panels,
                                                           const char* weights,
                                                           int64_t panel_bytes, const Tile& tile) {
-  const int64_t groups = (panels + 1) / 2, blocks = (m + kBlockRows - 1) / kBlockRows;
+  const int64_t groups = (panels + kGroup - 1) / kGroup, blocks = (m + kBlockRows - 1) / kBlockRows;
   const int64_t items = blocks * groups;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
   Claims claims(items, threads, groups);
@@ -93,16 +93,16 @@ __attribute__((always_inline)) inline void run_panel_pairs(int64_t m, int64_t pa
     int64_t end = 0, item = claims.claim(end);
     while (item < items) {
       const int64_t m0 = item / groups * kBlockRows, mb = std::min(kBlockRows, m - m0);
-      const int64_t p = item % groups * 2;
-      const int np = static_cast<int>(std::min<int64_t>(2, panels - p));
+      const int64_t p = item % groups * kGroup;
+      const int np = static_cast<int>(std::min<int64_t>(kGroup, panels - p));
       int64_t next = item + 1, next_end = end;
       if (next == end) next = claims.claim(next_end);
       const char* pf = nullptr;  // the next item's panels, unless there is none
       int64_t pf_bytes = 0;
       if (next < items) {
-        const int64_t np0 = next % groups * 2;
+        const int64_t np0 = next % groups * kGroup;
         pf = weights + np0 * panel_bytes;
-        pf_bytes = std::min<int64_t>(2, panels - np0) * panel_bytes;
+        pf_bytes = std::min<int64_t>(kGroup, panels - np0) * panel_bytes;
       }
       const int64_t tiles = (mb + kMaxRows - 1) / kMaxRows, base = mb / tiles, extra = mb % tiles;
       const int64_t share = (pf_bytes + tiles - 1) / tiles;  // bytes prefetched per tile

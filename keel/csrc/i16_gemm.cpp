@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -147,7 +148,12 @@ bool i16_gemm_available() { return true; }
 
 namespace {
 
-constexpr int kRows = 10;  // rows per register tile: 20 int32 accumulators
+// Panels an item takes, and rows per register tile: a pass of fewer than kWideRows rows (a
+// decode step's) in pairs of panels by up to 10 rows (20 int32 accumulators), a longer one in
+// groups of 4 panels by up to 6 rows (24 accumulators, half the row broadcasts a product).
+// At 2,052 rows the groups of 4 ran the default model's four layer kinds 1.03x faster; at 64
+// rows its 120 decode GEMMs ran 1.03x slower than in pairs (BENCHMARKS.md, sixty-second round).
+constexpr int64_t kWideRows = 256;
 
 // acc += the pairs' products of a and b (`vpdpwssd`), written out: through the intrinsic GCC
 // copied every accumulator to another register, and some through the stack, at each step.
@@ -156,23 +162,27 @@ inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
 }
 
 // One block of k (pairs kb .. ke) of a tile: R rows of xq (pairs per row `ldx`) against P
-// adjacent panels w0, w1, summed in int32, then scaled by each row's block scale (sx, stride
-// `blocks`) times each column's (ws0, ws1: this block's 16) and added to the float32 sums f
-// [R][P][16], prefetching `pf` .. `pf_end` (lines of the next item's panels) one line every two
-// pairs, or two (`two`) where the tile's share has more lines than half its pairs (a tile of
-// few rows, whose share is the whole next item). Two lines every two pairs for every tile ran
-// the default model's 120 decode GEMMs from memory 1.02-1.03x slower at 8 rows and 1.05-1.10x
-// at 64 (level at 512; BENCHMARKS.md, fifty-first round). Nothing but this in here, so that
-// the 20 int32 accumulators live in registers.
+// adjacent panels (the first at w, the next `pstride` int16 values on; their block scales ws,
+// the next `sstride` on: this block's 16 each), summed in int32, then scaled by each row's block
+// scale (sx, stride `blocks`) times each column's and added to the float32 sums f [R][P][16]
+// (the first block's `first`: stored, so that f needs no zeroing per tile; the same bits),
+// prefetching `pf` .. `pf_end` (lines of the next item's panels) one line every two pairs, or
+// two (`two`) where the tile's share has more lines than half its pairs (a tile of few rows,
+// whose share is the whole next item). Two lines every two pairs for every tile ran the
+// default model's 120 decode GEMMs from memory 1.02-1.03x slower at 8 rows and 1.05-1.10x at 64
+// (level at 512; BENCHMARKS.md, fifty-first round). Nothing but this in here, so that the
+// int32 accumulators live in registers.
 template <int R, int P>
 __attribute__((noinline)) void block_dot(const int16_t* xq, int64_t ldx, const float* sx,
-                                         int64_t blocks, const int16_t* w0, const int16_t* w1,
-                                         const float* ws0, const float* ws1, int64_t kb,
+                                         int64_t blocks, const int16_t* w, int64_t pstride,
+                                         const float* ws, int64_t sstride, int64_t kb,
                                          int64_t ke, float* f, const char*& pf,
-                                         const char* pf_end, bool two) {
-  __m512i c0[R], c1[R];
+                                         const char* pf_end, bool two, bool first) {
+  __m512i c[P][R];
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p)
 #pragma GCC unroll 10
-  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) c[p][r] = _mm512_setzero_si512();
   for (int64_t kp = kb; kp < ke; ++kp) {
     if ((kp & 1) == 0 && pf < pf_end) {  // the next item's weights into L2
       _mm_prefetch(pf, _MM_HINT_T1);
@@ -182,71 +192,78 @@ __attribute__((noinline)) void block_dot(const int16_t* xq, int64_t ldx, const f
         pf += 64;
       }
     }
-    __m512i b0 = _mm512_loadu_si512(w0 + kp * 2 * kCols);
-    __m512i b1 = P > 1 ? _mm512_loadu_si512(w1 + kp * 2 * kCols) : b0;
-    __asm__("" : "+v"(b0), "+v"(b1));  // in registers, not folded into each dot product
+    __m512i wv[P];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      wv[p] = _mm512_loadu_si512(w + p * pstride + kp * 2 * kCols);
+      __asm__("" : "+v"(wv[p]));  // in registers, not folded into each dot product
+    }
 #pragma GCC unroll 10
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, xq + (r * ldx + kp) * 2, 4);
       const __m512i a = _mm512_set1_epi32(pair);
-      dpwssd(c0[r], a, b0);
-      if constexpr (P > 1) dpwssd(c1[r], a, b1);
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) dpwssd(c[p][r], a, wv[p]);
     }
   }
-  const __m512 s0 = _mm512_loadu_ps(ws0), s1 = _mm512_loadu_ps(ws1);
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p) {
+    const __m512 sp = _mm512_loadu_ps(ws + p * sstride);
 #pragma GCC unroll 10
-  for (int r = 0; r < R; ++r) {
-    const __m512 xs = _mm512_set1_ps(sx[r * blocks]);
-    float* fr = f + r * P * kCols;
-    _mm512_store_ps(fr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0[r]), _mm512_mul_ps(xs, s0),
-                                        _mm512_load_ps(fr)));
-    if constexpr (P > 1)
-      _mm512_store_ps(fr + kCols, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1[r]),
-                                                  _mm512_mul_ps(xs, s1),
-                                                  _mm512_load_ps(fr + kCols)));
+    for (int r = 0; r < R; ++r) {
+      float* fr = f + (r * P + p) * kCols;
+      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sx[r * blocks]), sp);
+      const __m512 sum = _mm512_cvtepi32_ps(c[p][r]);
+      _mm512_store_ps(fr, first ? _mm512_mul_ps(sum, scale)
+                                : _mm512_fmadd_ps(sum, scale, _mm512_load_ps(fr)));
+    }
   }
 }
 
 // R rows of xq (pairs per row `ldx`, each row's block scales at sx + r * blocks) against P
-// adjacent panels (w0, w1 = w0 + pairs * 32; their block scales s0, s1): out[r][j] = the sum
-// over blocks of (int32 sum) * sx * sw, + bias[j], for the first `cols` of the P * 16 columns
-// (row stride ldo); with Silu (P = 2: 16 gate columns, then their 16 up columns) out[r][j] =
-// silu(gate) * up for the 16 columns.
+// adjacent panels (the first at w, each `pairs` * 32 int16 values; their block scales from s,
+// `blocks` * 16 each): out[r][j] = the sum over blocks of (int32 sum) * sx * sw, + bias[j], for
+// the first `cols` of the P * 16 columns (row stride ldo); with Silu (P even: 16 gate columns,
+// then their 16 up columns, for each pair of panels) out[r][j] = silu(gate) * up for 16 columns
+// a pair.
 template <int R, int P, bool Silu = false>
 __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float* sx,
-                                    int64_t blocks, const int16_t* w0, const int16_t* w1,
-                                    const float* s0, const float* s1, int64_t pairs,
-                                    const float* bias, int64_t cols, float* out, int64_t ldo,
-                                    const char* pf, const char* pf_end) {
-  alignas(64) float f[R][P][kCols] = {};  // the float32 sums, between blocks
+                                    int64_t blocks, const int16_t* w, const float* s,
+                                    int64_t pairs, const float* bias, int64_t cols, float* out,
+                                    int64_t ldo, const char* pf, const char* pf_end) {
+  alignas(64) float f[R][P][kCols];  // the float32 sums, between blocks (the first block's set)
   const bool two = (pf_end - pf + 63) / 64 * 2 > pairs;
-  // The tile's output lines (16 floats a panel, one a row with Silu), fetched for writing a
+  const int64_t pstride = pairs * 2 * kCols, sstride = blocks * kCols;
+  // The tile's output lines (16 floats a panel, one a pair with Silu), fetched for writing a
   // few before each block: stored cold at the tile's end, each waited on a read for ownership,
   // with the next tile's loads behind them. Same bits; at 2,052 and 4,096 rows qkv ran
   // 1.20-1.26x faster, o 1.15-1.18x, [gate; up] + SiLU 1.10-1.14x, down 1.04-1.08x, at 64 rows
   // from memory 1.01-1.04x (BENCHMARKS.md, fifty-third round; gemm.cpp's tile does the same).
-  constexpr int kOutPanels = Silu ? 1 : P;
+  constexpr int kOutPanels = Silu ? P / 2 : P;
   const int64_t out_lines = R * kOutPanels, blks = (pairs + kPairs - 1) / kPairs;
   const int64_t per_blk = (out_lines + blks - 1) / blks;
   for (int64_t blk = 0, kb = 0; kb < pairs; ++blk, kb += kPairs) {
     for (int64_t j = blk * per_blk; j < std::min(out_lines, (blk + 1) * per_blk); ++j) {
       const int64_t pp = j % kOutPanels;
-      if (pp * kCols < cols)
+      if (pp * kCols < (Silu ? cols / 2 : cols))
         _mm_prefetch(reinterpret_cast<const char*>(out + j / kOutPanels * ldo + pp * kCols),
                      _MM_HINT_ET0);
     }
-    block_dot<R, P>(xq, ldx, sx + blk, blocks, w0, w1, s0 + blk * kCols, s1 + blk * kCols, kb,
-                    std::min(pairs, kb + kPairs), &f[0][0][0], pf, pf_end, two);
+    block_dot<R, P>(xq, ldx, sx + blk, blocks, w, pstride, s + blk * kCols, sstride, kb,
+                    std::min(pairs, kb + kPairs), &f[0][0][0], pf, pf_end, two, blk == 0);
   }
   if constexpr (Silu) {
-    static_assert(P == 2, "silu_mul pairs a gate panel with its up panel");
-    const __m512 bg = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    const __m512 bu = bias != nullptr ? _mm512_loadu_ps(bias + kCols) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r)
-      _mm512_storeu_ps(out + r * ldo,
-                       _mm512_mul_ps(keel::silu16(_mm512_add_ps(_mm512_load_ps(f[r][0]), bg)),
-                                     _mm512_add_ps(_mm512_load_ps(f[r][1]), bu)));
+    static_assert(P % 2 == 0, "silu_mul pairs a gate panel with its up panel");
+    for (int pp = 0; pp < P / 2; ++pp) {
+      const float* bp = bias != nullptr ? bias + 2 * pp * kCols : nullptr;
+      const __m512 bg = bp != nullptr ? _mm512_loadu_ps(bp) : _mm512_setzero_ps();
+      const __m512 bu = bp != nullptr ? _mm512_loadu_ps(bp + kCols) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r)
+        _mm512_storeu_ps(out + r * ldo + pp * kCols,
+                         _mm512_mul_ps(keel::silu16(_mm512_add_ps(_mm512_load_ps(f[r][2 * pp]), bg)),
+                                       _mm512_add_ps(_mm512_load_ps(f[r][2 * pp + 1]), bu)));
+    }
     return;
   }
   for (int pp = 0; pp < P; ++pp) {
@@ -261,23 +278,21 @@ __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float*
   }
 }
 
-template <int P, bool Silu = false>
+template <int P, bool Silu, int MaxR>
 void tile_rows(int rows, const int16_t* xq, int64_t ldx, const float* sx, int64_t blocks,
-               const int16_t* w0, const int16_t* w1, const float* s0, const float* s1,
-               int64_t pairs, const float* bias, int64_t cols, float* out, int64_t ldo,
-               const char* pf, const char* pf_end) {
+               const int16_t* w, const float* s, int64_t pairs, const float* bias, int64_t cols,
+               float* out, int64_t ldo, const char* pf, const char* pf_end) {
   switch (rows) {
-#define KEEL_I16_TILE(R)                                                                        \
-  case R:                                                                                       \
-    tile<R, P, Silu>(xq, ldx, sx, blocks, w0, w1, s0, s1, pairs, bias, cols, out, ldo, pf,     \
-                     pf_end);                                                                   \
+#define KEEL_I16_TILE(R)                                                                      \
+  case R:                                                                                     \
+    if constexpr (R <= MaxR)                                                                  \
+      tile<R, P, Silu>(xq, ldx, sx, blocks, w, s, pairs, bias, cols, out, ldo, pf, pf_end);   \
     break;
     KEEL_I16_TILE(10) KEEL_I16_TILE(9) KEEL_I16_TILE(8) KEEL_I16_TILE(7)
     KEEL_I16_TILE(6) KEEL_I16_TILE(5) KEEL_I16_TILE(4) KEEL_I16_TILE(3) KEEL_I16_TILE(2)
 #undef KEEL_I16_TILE
     default:
-      tile<1, P, Silu>(xq, ldx, sx, blocks, w0, w1, s0, s1, pairs, bias, cols, out, ldo, pf,
-                       pf_end);
+      tile<1, P, Silu>(xq, ldx, sx, blocks, w, s, pairs, bias, cols, out, ldo, pf, pf_end);
       break;
   }
 }
@@ -311,6 +326,47 @@ inline float quantize_block16(const float* v, int64_t n, int16_t* q) {
     _mm256_mask_storeu_epi16(q + i, m, _mm512_cvtepi32_epi16(qi));
   }
   return amax / kQ;
+}
+
+// Every (block of kBlockRows rows, group of G panels) item (claims.h run_panel_pairs), each
+// block of rows in tiles of up to MaxR rows.
+template <int64_t G, int MaxR>
+void run_groups(int64_t m, int64_t n, int64_t pairs, int64_t blocks, const int16_t* xq,
+                const float* sx, const int16_t* w, const float* ws, const float* b,
+                bool silu_mul, float* o, int64_t ldo) {
+  const int64_t panels = (n + kCols - 1) / kCols;
+  const int64_t panel_elems = pairs * 2 * kCols, panel_scales = blocks * kCols;
+  keel::run_panel_pairs<kBlockRows, MaxR, G>(
+      m, panels, reinterpret_cast<const char*>(w), panel_elems * 2,
+      [&](int64_t p, int np, int64_t r0, int rows, const char* pf0, const char* pf1) {
+        const int16_t* wp = w + p * panel_elems;
+        const float* sp = ws + p * panel_scales;
+        const int64_t c0 = p * kCols, cols = std::min<int64_t>(np * kCols, n - c0);
+        const float* bc = b != nullptr ? b + c0 : nullptr;
+        const int16_t* xr = xq + r0 * 2 * pairs;
+        const float* sr = sx + r0 * blocks;
+        float* oc = o + (silu_mul ? p / 2 * kCols : c0) + r0 * ldo;
+        auto run = [&](auto pc, auto silu) {
+          tile_rows<decltype(pc)::value, decltype(silu)::value, MaxR>(
+              rows, xr, pairs, sr, blocks, wp, sp, pairs, bc, cols, oc, ldo, pf0, pf1);
+        };
+        using Plain = std::false_type;
+        using Silu = std::true_type;
+        if constexpr (G == 4) {
+          if (np == 4) {
+            if (silu_mul) run(std::integral_constant<int, 4>{}, Silu{});
+            else run(std::integral_constant<int, 4>{}, Plain{});
+            return;
+          }
+          if (np == 3) return run(std::integral_constant<int, 3>{}, Plain{});
+        }
+        if (np == 2) {
+          if (silu_mul) run(std::integral_constant<int, 2>{}, Silu{});
+          else run(std::integral_constant<int, 2>{}, Plain{});
+        } else {
+          run(std::integral_constant<int, 1>{}, Plain{});
+        }
+      });
 }
 
 }  // namespace
@@ -359,31 +415,11 @@ at::Tensor i16_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t 
   });
   const int16_t* w = packed.data_ptr<int16_t>();
   const float* ws = scales.data_ptr<float>();
-  const int64_t panel_elems = pairs * 2 * kCols, panel_scales = blocks * kCols;
   float* o = out.data_ptr<float>();
-  // Items: (block of rows, pair of panels), as in fp16_gemm (claims.h run_panel_pairs).
-  keel::run_panel_pairs<kBlockRows, kRows>(
-      m, panels, reinterpret_cast<const char*>(w), panel_elems * 2,
-      [&](int64_t p, int np, int64_t r0, int rows, const char* pf0, const char* pf1) {
-        const int16_t* w0 = w + p * panel_elems;
-        const int16_t* w1 = np == 2 ? w0 + panel_elems : w0;
-        const float* s0 = ws + p * panel_scales;
-        const float* s1 = np == 2 ? s0 + panel_scales : s0;
-        const int64_t c0 = p * kCols, cols = std::min<int64_t>(np * kCols, n - c0);
-        const float* bc = b != nullptr ? b + c0 : nullptr;
-        const int16_t* xr = xq + r0 * 2 * pairs;
-        const float* sr = sx + r0 * blocks;
-        float* oc = o + (silu_mul ? p / 2 * kCols : c0) + r0 * ldo;
-        if (silu_mul)
-          tile_rows<2, true>(rows, xr, pairs, sr, blocks, w0, w1, s0, s1, pairs, bc, cols, oc,
-                             ldo, pf0, pf1);
-        else if (np == 2)
-          tile_rows<2>(rows, xr, pairs, sr, blocks, w0, w1, s0, s1, pairs, bc, cols, oc, ldo,
-                       pf0, pf1);
-        else
-          tile_rows<1>(rows, xr, pairs, sr, blocks, w0, w1, s0, s1, pairs, bc, cols, oc, ldo,
-                       pf0, pf1);
-      });
+  if (m >= kWideRows)
+    run_groups<4, 6>(m, n, pairs, blocks, xq, sx, w, ws, b, silu_mul, o, ldo);
+  else
+    run_groups<2, 10>(m, n, pairs, blocks, xq, sx, w, ws, b, silu_mul, o, ldo);
   return out;
 }
 

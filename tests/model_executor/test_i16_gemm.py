@@ -98,7 +98,7 @@ def test_packing_is_the_blocks_int16_values(ops, k):
 
 @pytest.mark.parametrize("m, n, k", [(1, 48, 64), (5, 960, 576), (10, 576, 576), (23, 40, 33),
                                      (64, 3072, 576), (64, 576, 1536), (130, 112, 300),
-                                     (7, 16, 1)])
+                                     (7, 16, 1), (300, 112, 300), (260, 3072, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_the_reference(ops, m, n, k, with_bias):
     g = torch.Generator().manual_seed(m * n + k)

@@ -27,7 +27,8 @@ Cases, on the default model's shapes (bfloat16 unless said, 64 rows as a decode 
 - `prefill`: prefill_attention over 5 whole prompts of 310-790 tokens (the long workload's
   lengths), float32 and bfloat16, views of one [L, q + 2 kv] output as in a prompt pass.
 - `f32gemm`: float32 GEMMs without AMX, keel's `gemm` / `gemm_silu` and (with AVX512-VNNI)
-  `i16_gemm`: the four layer kinds at 2,052 rows, and a decode step's 120 at 64 rows.
+  `i16_gemm`: the four layer kinds at 2,052 rows, and a decode step's 120 at 64 rows (each
+  build packs `i16_gemm`'s weights itself: two builds' blocks may differ).
 
 Builds older than the module-local bindings do not load beside another (pybind11 refuses a
 second "PlanLinear"); such a build can be made loadable by adding `pybind11::module_local()`

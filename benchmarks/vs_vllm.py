@@ -800,7 +800,8 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
         for mode in ("auto", "w8a8", "auto-kv8", *(d for d in drafted if d.startswith("auto"))):
             mine = tok("keel", mode, w)
             for peer in ("vllm", "hf"):
-                peer_best = max((tok(peer, d, w) or 0, d) for d in args.dtypes + ["float32"])
+                ran = (args.hf_dtypes or args.dtypes) if peer == "hf" else args.dtypes
+                peer_best = max((tok(peer, d, w) or 0, d) for d in [*ran, "float32"])
                 if mine and peer_best[0]:
                     print(f"  keel {mode} / {peer} best ({peer_best[1]}): "
                           f"{mine / peer_best[0]:.2f}x")

@@ -36,8 +36,9 @@
 // The layout is fp16_gemm's: a panel row holds 16 output columns for two values of k (lane
 // 2j: w[k][j], lane 2j + 1: w[k + 1][j]); x's (x[k], x[k + 1]) pairs are read by one 32-bit
 // broadcast, and one `vpdpwssd` adds both products of the pair into column j's lane. Rows go
-// in blocks of kBlockRows; the threads claim runs of panel pairs within a block, and each tile
-// prefetches a share of the next item's panels into L2, as fp16_gemm's and gemm.cpp's do.
+// in blocks of kBlockRows; the threads claim runs of panel pairs (groups of 4 panels in a pass
+// of kWideRows rows or more) within a block, and each tile prefetches a share of the next
+// item's panels into L2, as fp16_gemm's and gemm.cpp's do.
 #include "ops.h"
 #include "claims.h"
 #include "silu.h"

@@ -30,8 +30,8 @@
 // Blocks of 64 values at 5,792 each (64 kQ^2 < 2^31, the scheme before this one) needed no
 // such rule, but cost a float32 epilogue per 64 values of k and steps twice x's: on the default
 // model's layers over a real prompt's activations this scheme's mean error is 0.79x that
-// scheme's (1/7.8 of bfloat16 arithmetic's, against 1/6.2), and its GEMMs ran 1.03-1.06x
-// faster (BENCHMARKS.md, sixty-second round).
+// scheme's (1/8.1 of bfloat16 arithmetic's, against 1/6.4), and its GEMMs ran 1.03-1.06x
+// faster (BENCHMARKS.md, sixty-second round; benchmarks/i16_accuracy.py).
 //
 // The layout is fp16_gemm's: a panel row holds 16 output columns for two values of k (lane
 // 2j: w[k][j], lane 2j + 1: w[k + 1][j]); x's (x[k], x[k + 1]) pairs are read by one 32-bit
@@ -64,7 +64,7 @@ constexpr float kQ = 11585.0f;        // the largest |int16| of a block (2^13.5)
 // The largest sum of a W block's |int16| values: kQ * kL1Max < 2^31, so that no block's int32
 // sum overflows. A block whose sum at kQ is larger is scaled again to kL1Target (rounding adds
 // less than 128 to that).
-constexpr int64_t kL1Max = 2147483647 / static_cast<int64_t>(kQ);  // 185,368
+constexpr int64_t kL1Max = 2147483647 / static_cast<int64_t>(kQ);  // 185,367
 constexpr double kL1Target = static_cast<double>(kL1Max - 256);
 constexpr int64_t kBlockRows = 256;   // rows whose int16 copy the panels pass over in turn
 
@@ -236,6 +236,7 @@ __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float*
   alignas(64) float f[R][P][kCols];  // the float32 sums, between blocks (the first block's set)
   const bool two = (pf_end - pf + 63) / 64 * 2 > pairs;
   const int64_t pstride = pairs * 2 * kCols, sstride = blocks * kCols;
+  if (pairs == 0) std::fill(&f[0][0][0], &f[0][0][0] + R * P * kCols, 0.f);  // K = 0: no block
   // The tile's output lines (16 floats a panel, one a pair with Silu), fetched for writing a
   // few before each block: stored cold at the tile's end, each waited on a read for ownership,
   // with the next tile's loads behind them. Same bits; at 2,052 and 4,096 rows qkv ran
@@ -260,10 +261,11 @@ __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float*
       const float* bp = bias != nullptr ? bias + 2 * pp * kCols : nullptr;
       const __m512 bg = bp != nullptr ? _mm512_loadu_ps(bp) : _mm512_setzero_ps();
       const __m512 bu = bp != nullptr ? _mm512_loadu_ps(bp + kCols) : _mm512_setzero_ps();
-      for (int r = 0; r < R; ++r)
-        _mm512_storeu_ps(out + r * ldo + pp * kCols,
-                         _mm512_mul_ps(keel::silu16(_mm512_add_ps(_mm512_load_ps(f[r][2 * pp]), bg)),
-                                       _mm512_add_ps(_mm512_load_ps(f[r][2 * pp + 1]), bu)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 gate = _mm512_add_ps(_mm512_load_ps(f[r][2 * pp]), bg);
+        const __m512 up = _mm512_add_ps(_mm512_load_ps(f[r][2 * pp + 1]), bu);
+        _mm512_storeu_ps(out + r * ldo + pp * kCols, _mm512_mul_ps(keel::silu16(gate), up));
+      }
     }
     return;
   }

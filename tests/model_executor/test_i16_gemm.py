@@ -188,6 +188,12 @@ def test_arguments_are_checked(ops):
     with pytest.raises(RuntimeError, match="bias must be"):
         ops.i16_gemm(torch.randn(4, 64), packed, scales, 32, torch.randn(31))
     assert ops.i16_gemm(torch.randn(0, 64), packed, scales, 32).shape == (0, 32)
+    # K = 0: no block of k; the product is the bias alone
+    empty_packed, empty_scales = ops.i16_gemm_pack(torch.randn(32, 0))
+    bias = torch.randn(32)
+    for m in (3, 300):
+        assert torch.equal(ops.i16_gemm(torch.randn(m, 0), empty_packed, empty_scales, 32, bias),
+                           bias.expand(m, 32))
 
 
 @pytest.mark.parametrize("m", [1, 9, 64, 300])

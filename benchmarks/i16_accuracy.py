@@ -72,12 +72,15 @@ def main() -> None:
     for f in glob.glob(f"{folder}/*.safetensors"):
         state.update(load_file(f))
 
-    def weight(name: str) -> torch.Tensor:  # the merged layers' parts, as the loader merges them
-        for merged, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                              ("gate_up_proj", ("gate_proj", "up_proj"))):
-            if name.endswith(merged):
-                stem = name[: -len(merged)]
-                return torch.cat([state[f"{stem}{p}.weight"] for p in parts])
+    # A merged layer's checkpoint parts, in the model's own mapping's order (q, k, v; gate, up).
+    parts: dict[str, list[str]] = {}
+    for merged, part, _ in type(model).stacked_params_mapping:
+        parts.setdefault(merged, []).append(part)
+
+    def weight(name: str) -> torch.Tensor:
+        stem, _, leaf = name.rpartition(".")
+        if leaf in parts:
+            return torch.cat([state[f"{stem}.{p}.weight"] for p in parts[leaf]])
         return state[f"{name}.weight"]
 
     bf16, errs = [], {b: [] for b in builds}

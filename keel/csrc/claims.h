@@ -82,10 +82,11 @@ void on_threads(int64_t threads, const F& f) {
 // against the np (up to kGroup) panels from p, prefetching the lines pf .. pf_end; `weights`
 // is the first panel, each `panel_bytes` long.
 template <int64_t kBlockRows, int64_t kMaxRows, int64_t kGroup = 2, typename Tile>
-__attribute__((always_inline)) inline void run_panel_pairs(int64_t m, int64_t panels,
-                                                          const char* weights,
-                                                          int64_t panel_bytes, const Tile& tile) {
-  const int64_t groups = (panels + kGroup - 1) / kGroup, blocks = (m + kBlockRows - 1) / kBlockRows;
+__attribute__((always_inline)) inline void run_panel_groups(int64_t m, int64_t panels,
+                                                           const char* weights,
+                                                           int64_t panel_bytes, const Tile& tile) {
+  const int64_t groups = (panels + kGroup - 1) / kGroup;
+  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
   const int64_t items = blocks * groups;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
   Claims claims(items, threads, groups);

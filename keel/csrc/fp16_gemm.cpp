@@ -251,8 +251,8 @@ at::Tensor fp16_gemm(at::Tensor x, at::Tensor packed, int64_t n, double w_max,
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::Half>());
   const int64_t panel_elems = pairs * 2 * kCols;
   float* o = out.data_ptr<float>();
-  // Items: (block of rows, pair of panels), block by block (claims.h run_panel_pairs).
-  keel::run_panel_pairs<kBlockRows, kRows>(
+  // Items: (block of rows, pair of panels), block by block (claims.h run_panel_groups).
+  keel::run_panel_groups<kBlockRows, kRows>(
       m, panels, reinterpret_cast<const char*>(w), panel_elems * 2,
       [&](int64_t p, int np, int64_t r0, int rows, const char* pf0, const char* pf1) {
         const uint16_t* w0 = w + p * panel_elems;

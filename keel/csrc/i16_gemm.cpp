@@ -285,6 +285,8 @@ template <int P, bool Silu, int MaxR>
 void tile_rows(int rows, const int16_t* xq, int64_t ldx, const float* sx, int64_t blocks,
                const int16_t* w, const float* s, int64_t pairs, const float* bias, int64_t cols,
                float* out, int64_t ldo, const char* pf, const char* pf_end) {
+  // (run_panel_groups splits rows into tiles of at most MaxR: a larger one would be skipped)
+  TORCH_CHECK(rows >= 1 && rows <= MaxR, "i16_gemm: a tile of ", rows, " rows");
   switch (rows) {
 #define KEEL_I16_TILE(R)                                                                      \
   case R:                                                                                     \
@@ -331,7 +333,7 @@ inline float quantize_block16(const float* v, int64_t n, int16_t* q) {
   return amax / kQ;
 }
 
-// Every (block of kBlockRows rows, group of G panels) item (claims.h run_panel_pairs), each
+// Every (block of kBlockRows rows, group of G panels) item (claims.h run_panel_groups), each
 // block of rows in tiles of up to MaxR rows.
 template <int64_t G, int MaxR>
 void run_groups(int64_t m, int64_t n, int64_t pairs, int64_t blocks, const int16_t* xq,
@@ -339,7 +341,7 @@ void run_groups(int64_t m, int64_t n, int64_t pairs, int64_t blocks, const int16
                 bool silu_mul, float* o, int64_t ldo) {
   const int64_t panels = (n + kCols - 1) / kCols;
   const int64_t panel_elems = pairs * 2 * kCols, panel_scales = blocks * kCols;
-  keel::run_panel_pairs<kBlockRows, MaxR, G>(
+  keel::run_panel_groups<kBlockRows, MaxR, G>(
       m, panels, reinterpret_cast<const char*>(w), panel_elems * 2,
       [&](int64_t p, int np, int64_t r0, int rows, const char* pf0, const char* pf1) {
         const int16_t* wp = w + p * panel_elems;

@@ -56,7 +56,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp",
-            "prefill_attention_amx.cpp", "fused_ops.cpp", "write_kv_cache.cpp",
+            "prefill_attention_amx.cpp", "prefill_attention_i16.cpp",
+            "fused_ops.cpp", "write_kv_cache.cpp",
             "quant_gemm.cpp", "quant_gemm_q8.cpp", "decode_layers.cpp", "gemm.cpp",
             "amx_gemm.cpp", "fp16_gemm.cpp", "i16_gemm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]

@@ -36,6 +36,16 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         # An int8 cache's float32 scales, [2, num_blocks, num_kv_heads, block_size].
         self.kv_scale: torch.Tensor | None = None
+        # Long prompt chunks on int16 dot products (process_weights_after_loading).
+        self.int16_prompt_attention = False
+
+    def process_weights_after_loading(self) -> None:
+        """Under dtype="auto" with the model's GEMMs on int16 dot products or float16 FMAs
+        (gemm_choice.int16_attention_chosen), its long prompt chunks' attention runs on
+        int16 dot products too (keel/csrc/prefill_attention_i16.cpp)."""
+        from keel.model_executor.layers import gemm_choice
+
+        self.int16_prompt_attention = gemm_choice.int16_attention_chosen()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H * D], k/v: [T, Hkv * D] -> [T, H * D]."""
@@ -52,6 +62,7 @@ class Attention(nn.Module):
             self.scale,
             self.sliding_window,
             self.kv_scale,
+            self.int16_prompt_attention,
         )
 
 

@@ -86,7 +86,8 @@ PassAttention make_pass_attention(at::Tensor token_rows, at::Tensor token_seq_le
                                   std::optional<at::Tensor> long_chunks,
                                   std::optional<at::Tensor> short_tokens,
                                   std::optional<at::Tensor> short_rows,
-                                  std::optional<at::Tensor> short_seq_lens, bool amx) {
+                                  std::optional<at::Tensor> short_seq_lens,
+                                  const std::string& long_kernel) {
   TORCH_CHECK(token_rows.scalar_type() == at::kInt && token_seq_lens.scalar_type() == at::kLong,
               "PassAttention: token_rows int32 and token_seq_lens int64 expected");
   PassAttention a;
@@ -106,7 +107,14 @@ PassAttention make_pass_attention(at::Tensor token_rows, at::Tensor token_seq_le
   a.short_tokens = short_tokens.value_or(at::Tensor());
   a.short_rows = short_rows.value_or(at::Tensor());
   a.short_seq_lens = short_seq_lens.value_or(at::Tensor());
-  a.amx = amx;
+  if (long_kernel == "prefill_attention_amx")
+    a.kernel = PassAttention::Kernel::kAmx;
+  else if (long_kernel == "prefill_attention_i16")
+    a.kernel = PassAttention::Kernel::kInt16;
+  else
+    TORCH_CHECK(long_kernel == "prefill_attention", "PassAttention: long_kernel ",
+                long_kernel, " is none of prefill_attention, prefill_attention_amx and "
+                "prefill_attention_i16");
   return a;
 }
 
@@ -177,6 +185,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm_available", &amx_gemm_available, "whether this build and CPU run amx_gemm");
   m.def("prefill_attention_amx_available", &prefill_attention_amx_available,
         "whether this build and CPU run prefill_attention_amx");
+  m.def("prefill_attention_i16", &prefill_attention_i16,
+        "prefill_attention with its two products on AVX512-VNNI's int16 dot products");
+  m.def("prefill_attention_i16_available", &prefill_attention_i16_available,
+        "built with AVX512-VNNI");
   m.def("write_kv_cache", &write_kv_cache, "this pass's K/V rows into their cache slots",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("slot_mapping"), py::arg("key_scale") = py::none(),
@@ -256,9 +268,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("token_seq_lens"), pybind11::arg("long_chunks") = pybind11::none(),
            pybind11::arg("short_tokens") = pybind11::none(),
            pybind11::arg("short_rows") = pybind11::none(),
-           pybind11::arg("short_seq_lens") = pybind11::none(), pybind11::arg("amx") = false,
+           pybind11::arg("short_seq_lens") = pybind11::none(),
+           pybind11::arg("long_kernel") = "prefill_attention",
            "(token_rows, token_seq_lens, long_chunks=None, short_tokens=None, "
-           "short_rows=None, short_seq_lens=None, amx=False)");
+           "short_rows=None, short_seq_lens=None, long_kernel=\"prefill_attention\")");
   pybind11::class_<DecodePlan>(m, "DecodePlan", "decoder layers of a pass in one call",
                                pybind11::module_local())
       .def(pybind11::init<>())

@@ -118,11 +118,17 @@ at::Tensor pass_attention(const DecodeLayer& L, const at::Tensor& q, const at::T
       value = gather(L.value_cache);
     }
     at::Tensor o = out.narrow(0, start, q_len);
-    if (A.amx)
-      prefill_attention_amx(q3.narrow(0, start, q_len), key, value, o, L.scale,
-                            L.sliding_window);
-    else
-      prefill_attention(q3.narrow(0, start, q_len), key, value, o, L.scale, L.sliding_window);
+    const at::Tensor q = q3.narrow(0, start, q_len);
+    switch (A.kernel) {
+      case PassAttention::Kernel::kAmx:
+        prefill_attention_amx(q, key, value, o, L.scale, L.sliding_window);
+        break;
+      case PassAttention::Kernel::kInt16:
+        prefill_attention_i16(q, key, value, o, L.scale, L.sliding_window);
+        break;
+      default:
+        prefill_attention(q, key, value, o, L.scale, L.sliding_window);
+    }
   }
   return out;
 }

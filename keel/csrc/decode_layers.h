@@ -81,7 +81,9 @@ struct PassAttention {
   // A pass with long chunks: (request, first token, query length, seq length) of each, int64
   // [n, 4]; the other tokens (undefined where none) with their requests and key counts.
   at::Tensor long_chunks, short_tokens, short_rows, short_seq_lens;
-  bool amx = false;  // long chunks on prefill_attention_amx, else prefill_attention
+  // The kernel of the long chunks: prefill_attention, prefill_attention_amx (bfloat16 on AMX
+  // tiles) or prefill_attention_i16 (int16 dot products; dtype="auto" on i16_gemm).
+  enum class Kernel { kFloat, kAmx, kInt16 } kernel = Kernel::kFloat;
 };
 
 class DecodePlan {

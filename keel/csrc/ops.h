@@ -32,6 +32,11 @@ void prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::T
 void prefill_attention_amx(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor out,
                            double scale, int64_t sliding_window);
 bool prefill_attention_amx_available();
+// The same with both products on AVX512-VNNI's int16 dot products (prefill_attention_i16.cpp;
+// float32 or bfloat16), where this build has them (prefill_attention_i16_available()).
+void prefill_attention_i16(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor out,
+                           double scale, int64_t sliding_window);
+bool prefill_attention_i16_available();
 // An int8 cache (key_cache int8) takes each row quantized, its float32 scale in key_scale /
 // value_scale ([blocks, kv_heads, block_size]).
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,

@@ -16,7 +16,7 @@
 // with an online softmax. Keys are transposed once per call ([Hkv, D, S]) so the score loop
 // reads 8 or 16 keys per load. Items are handed out longest first from an atomic counter:
 // causal items differ in length by up to L.
-#include "vec.h"
+#include "prefill_attention_common.h"
 
 #include <ATen/Parallel.h>
 
@@ -32,66 +32,11 @@ using keel::pin;
 using keel::splat8;
 using keel::store8;
 using keel::v8;
+using namespace keel::prefill;
 
-constexpr int64_t kRows = 16;  // query rows per work item
-constexpr int64_t kKeys = 64;  // keys per block of the online softmax
-constexpr int64_t kMaxGroup = 16;
-
-// Register tiles: kTile query vectors x kSpan keys (scores) or x kSpan dims (values), 12
-// accumulators; the two loads each step are pinned in registers (`keel::pin`) so that
-// GCC does not fold them into every FMA, which made the loops wait on loads instead of FMAs.
-constexpr int kTile = 6;
-
-// The tiles' vectors: 16 lanes where the CPU has AVX-512 (a tile then covers 32 keys or 32
-// dims: two registers a query vector, twice the AVX2 tile's work per instruction), else 8.
-// Each output is the same chain of FMAs in the same order either way, so the bits agree.
-#ifdef __AVX512F__
-using Vec = keel::v16;
-#else
-using Vec = v8;
-#endif
-constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
-
-// x in every lane of a v8 or a v16.
-template <typename V>
-inline V splat(float x) {
-  if constexpr (sizeof(V) == 64) return V{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
-  else return splat8(x);
-}
-constexpr int64_t kSpan = 2 * kLanes;  // keys of a score tile, dims of a value tile
-
-// The online softmax runs in the tiles' lanes too: in 8 lanes on AVX-512 it was ~30% of the
-// kernel's time (5 prompts of 310-790 tokens, float32), and in 16 lanes, with a tree for the
-// horizontal maximum (`_mm512_reduce_max_ps`) instead of 15 dependent scalar ones, the kernel
-// ran 1.13-1.17x faster (benchmarks/kernel_ab.py --cases prefill; BENCHMARKS.md, fifty-second
-// round).
-
-// Lanes j .. j + kLanes - 1 of a block: is each in [lo, hi)? (all-ones or all-zeros per lane)
-inline auto visible(int64_t j, int64_t lo, int64_t hi) {
-  Vec lane;  // 0, 1, ..., a constant
-  for (int i = 0; i < static_cast<int>(kLanes); ++i) lane[i] = static_cast<float>(i);
-  lane += splat<Vec>(static_cast<float>(j));
-  return (lane >= splat<Vec>(static_cast<float>(lo))) & (lane < splat<Vec>(static_cast<float>(hi)));
-}
-
-// The largest lane and the sum of the lanes.
-inline float hmax(Vec v) {
-#ifdef __AVX512F__
-  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
-#else
-  float m = v[0];
-  for (int i = 1; i < static_cast<int>(kLanes); ++i) m = std::max(m, v[i]);
-  return m;
-#endif
-}
-
-inline float hsum_lanes(Vec v) {
-#ifdef __AVX512F__
-  return keel::hsum(v);
-#else
-  return keel::hsum8(v);
-#endif
-}
+// Register tiles of kTile query vectors (prefill_attention_common.h) by kSpan keys or dims,
+// 12 accumulators; the two loads each step are pinned in registers (`keel::pin`) so that GCC
+// does not fold them into every FMA, which made the loops wait on loads instead of FMAs.
 
 // s[x][j] = sum_d q[x][d] * kt[d][j] for kTile query vectors and kSpan keys.
 inline void scores_tile(const float* q, int64_t D, const float* kt, int64_t kt_stride, float* s,
@@ -173,7 +118,6 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const float* kt, i
   const int64_t first_pos = offset + r0, last_pos = offset + r0 + nr - 1;
   const int64_t k_begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   const int64_t k_end = last_pos + 1;
-  const float ninf = -std::numeric_limits<float>::infinity();
   float* s = w.s.data();
   for (int64_t kb = k_begin; kb < k_end; kb += kKeys) {
     const int64_t n = std::min(kKeys, k_end - kb), n16 = (n + 15) / 16 * 16;
@@ -189,35 +133,11 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const float* kt, i
       const int64_t hi = std::min(n16, pos - kb + 1);
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - kb) : 0;
       float* sx = s + x * kKeys;
-      if (hi <= lo) {  // nothing of the block is visible to this row
-        for (int64_t j = 0; j < n16; j += 8) store8(sx + j, v8{});
-        continue;
-      }
-      const bool whole = lo == 0 && hi == n16;
-      Vec mv = splat<Vec>(ninf);
-      for (int64_t j = 0; j < n16; j += kLanes) {
-        Vec e = keel::loadv<Vec>(sx + j);
-        if (!whole) e = visible(j, lo, hi) ? e : splat<Vec>(ninf);
-        mv = e > mv ? e : mv;
-      }
-      const float mx = std::max(hmax(mv), w.m[x]);
-      // Rescale what was accumulated when the row's maximum grows (0 on its first block).
-      const float alpha = mx == w.m[x] ? 1.f : std::exp(w.m[x] - mx);
-      w.m[x] = mx;
-      Vec sum = {};
-      const Vec mxv = splat<Vec>(mx);
-      for (int64_t j = 0; j < n16; j += kLanes) {
-        Vec p = keel::expv(keel::loadv<Vec>(sx + j) - mxv);
-        if (!whole) p = visible(j, lo, hi) ? p : Vec{};
-        keel::storev(sx + j, p);
-        sum += p;
-      }
-      w.l[x] = w.l[x] * alpha + hsum_lanes(sum);
-      if (alpha != 1.f) {
-        float* a = w.acc.data() + x * D;
-        for (int d = 0; d < D; d += kLanes)
-          keel::storev(a + d, keel::loadv<Vec>(a + d) * splat<Vec>(alpha));
-      }
+      softmax_row(sx, n16, lo, hi, w.m[x], w.l[x], w.acc.data() + x * D, D, 1.f,
+                  [sx](int64_t j, Vec p) {  // the weights over their scores
+                    keel::storev(sx + j, p);
+                    return p;
+                  });
     }
     const T* vb = v_ptr + kb * v_stride + hk * D;
     for (int64_t x = 0; x < nv4; x += kTile) {
@@ -283,23 +203,7 @@ void prefill_kernel(const at::Tensor& query, const at::Tensor& key, const at::Te
 
 void prefill_attention(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor out,
                        double scale, int64_t sliding_window) {
-  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 && out.dim() == 2,
-              "prefill_attention: query/key/value [rows, heads, D], out [rows, heads * D]");
-  const int64_t L = query.size(0), H = query.size(1), D = query.size(2);
-  const int64_t S = key.size(0), Hkv = key.size(1);
-  TORCH_CHECK(value.sizes() == key.sizes() && key.size(2) == D, "prefill_attention: shapes");
-  TORCH_CHECK(H % Hkv == 0 && H / Hkv <= kMaxGroup, "prefill_attention: heads per KV head");
-  TORCH_CHECK(S >= L && L > 0, "prefill_attention: the chunk sees at least its own keys");
-  TORCH_CHECK(out.size(0) == L && out.size(1) == H * D && out.stride(1) == 1,
-              "prefill_attention: out must be [rows, heads * D] with dense rows");
-  TORCH_CHECK(query.scalar_type() == key.scalar_type() &&
-                  value.scalar_type() == key.scalar_type() &&
-                  out.scalar_type() == key.scalar_type(),
-              "prefill_attention: dtype mismatch");
-  for (const at::Tensor* t : {&query, &key, &value})
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D,
-                "prefill_attention: each row's heads must be dense");
-  TORCH_CHECK(D % 16 == 0, "prefill_attention: head size a multiple of 16");
+  check_args("prefill_attention", query, key, value, out, kMaxGroup);
   const float sc = static_cast<float>(scale);
   if (query.scalar_type() == at::kFloat) {
     prefill_kernel<float>(query, key, value, out, sc, sliding_window);

@@ -156,6 +156,39 @@ def test_prompt_passes_are_fused_and_bit_identical(arch, dtype, kv_cache_dtype, 
     assert lp_on == lp_off
 
 
+def test_auto_on_int16_products_is_fused_and_bit_identical(hf_model_dir, monkeypatch):
+    """dtype="auto" on a CPU without AMX, its GEMMs on i16_gemm or fp16_gemm (chosen here
+    without timing): every attention layer runs its long prompt chunks on
+    prefill_attention_i16 where the build has AVX512-VNNI (else on the float32 kernel), in the
+    fused pass and the Python layers alike, with the same tokens and log-probabilities."""
+    from keel import dtypes
+    from keel.cpu_ops import get_cpu_ops
+    from keel.model_executor.layers import gemm_choice
+
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
+    monkeypatch.setattr(gemm_choice, "_fp16_gemm_faster", True)
+    monkeypatch.delenv("KEEL_I16_ATTENTION", raising=False)
+    ops = get_cpu_ops()
+    int16 = gemm_choice.low_precision_kind() is not None and ops.prefill_attention_i16_available()
+    chosen, kernels = [], []
+    real_chosen = gemm_choice.int16_attention_chosen
+    real_kernel = fused_mod.FusedDecode._choose_long_kernel
+    monkeypatch.setattr(gemm_choice, "int16_attention_chosen",
+                        lambda: chosen.append(real_chosen()) or chosen[-1])
+    monkeypatch.setattr(fused_mod.FusedDecode, "_choose_long_kernel",
+                        lambda self: kernels.append(real_kernel(self)) or kernels[-1])
+    folder = hf_model_dir("llama")
+    kw = dict(dtype="auto", max_num_batched_tokens=96)
+    tok_on, lp_on, on = generate(folder, None, True, monkeypatch, MIXED, **kw)
+    tok_off, lp_off, off = generate(folder, None, False, monkeypatch, MIXED, **kw)
+    assert on["python"] == 0 and on["long"] >= 2, on
+    assert off["fused"] == 0
+    assert chosen and set(chosen) == {int16}, chosen  # every layer, both engines
+    assert kernels == ["prefill_attention_i16" if int16 else "prefill_attention"]
+    assert tok_on == tok_off
+    assert lp_on == lp_off
+
+
 def test_not_taken_where_it_does_not_apply(hf_model_dir, monkeypatch):
     """Passes with long chunks over an int8 cache (whose gathered rows the Python layers
     dequantize) or where SDPA runs the long chunks take the Python layers; the other passes

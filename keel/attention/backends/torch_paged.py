@@ -232,9 +232,11 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     kv_scale: torch.Tensor | None = None,
+    int16_prompts: bool = False,
 ) -> torch.Tensor:
     """query: [T, H, D]; key/value: [T, Hkv, D] (this pass's tokens). Returns [T, H * D].
-    An int8 cache comes with its scales, kv_scale [2, num_blocks, Hkv, block_size]."""
+    An int8 cache comes with its scales, kv_scale [2, num_blocks, Hkv, block_size].
+    int16_prompts: long prompt chunks may run on int16 dot products (chunk_kernel_name)."""
     n = meta.num_actual_tokens
     query, key, value = query[:n], key[:n], value[:n]
     write_kv_cache(key, value, kv_cache, meta.slot_mapping, kv_scale)
@@ -254,7 +256,7 @@ def paged_attention(
         return out.view(n, num_heads * head_dim)
     if ops is not None:
         return _split_attention(ops, query, key, value, kv_cache, meta, scale, sliding_window,
-                                kv_scale)
+                                kv_scale, int16_prompts)
     r, s, q_len = meta.num_reqs, meta.kv_len, meta.max_query_len
     blocks = meta.kv_blocks.view(-1)
     # [R * NB, Hkv, block_size, D] -> [R, Hkv, NB, block_size, D] -> [R, Hkv, S, D]
@@ -325,12 +327,18 @@ def long_chunk_kernel(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int
 
 
 def chunk_kernel_name(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                      head_dim: int) -> str | None:
+                      head_dim: int, int16: bool = False) -> str | None:
     """The name of keel's kernel that takes a long chunk of this shape (dense rows of one
-    dtype), or None for torch's SDPA. The fused pass (layers/fused_decode.py) asks the same."""
+    dtype), or None for torch's SDPA. The fused pass (layers/fused_decode.py) asks the same.
+    int16: the layer's prompt attention may run on int16 dot products
+    (Attention.int16_prompt_attention: dtype="auto" with its GEMMs on i16_gemm or fp16_gemm),
+    which prefill_attention_i16 does where the build has AVX512-VNNI."""
     if (not _PREFILL_KERNEL or dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or head_dim % 16 != 0):
         return None
+    if (int16 and dtype in (torch.float32, torch.bfloat16) and num_heads // num_kv_heads <= 16
+            and ops.prefill_attention_i16_available()):
+        return "prefill_attention_i16"
     name = long_chunk_kernel(ops, dtype, num_heads, num_kv_heads, head_dim)
     # keel's prefill kernel takes at most 16 query heads per KV head; the AMX one any.
     if name == "prefill_attention_amx" or (
@@ -341,7 +349,8 @@ def chunk_kernel_name(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int
 
 def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetadata,
                      scale: float, sliding_window: int | None,
-                     kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_scale: torch.Tensor | None = None,
+                     int16_prompts: bool = False) -> torch.Tensor:
     """CPU, a pass with long prompt chunks: the kernel for every other request's tokens, and
     SDPA for each long chunk alone over its own keys (no padding to the longest)."""
     n, num_heads, head_dim = query.shape
@@ -358,7 +367,8 @@ def _split_attention(ops, query, key, value, kv_cache, meta: PagedAttentionMetad
     kernel = None
     if (query.dtype == key.dtype == value.dtype
             and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value))):
-        name = chunk_kernel_name(ops, query.dtype, num_heads, num_kv_heads, head_dim)
+        name = chunk_kernel_name(ops, query.dtype, num_heads, num_kv_heads, head_dim,
+                                 int16_prompts)
         kernel = getattr(ops, name) if name is not None else None
     for req, start, q_len, seq_len in meta.long_chunks:
         context = seq_len - q_len

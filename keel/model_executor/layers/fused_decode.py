@@ -141,15 +141,17 @@ class FusedDecode:
         if self._long_kernel is None:
             return None
         chunks = torch.tensor(meta.long_chunks, dtype=torch.int64)
-        amx = self._long_kernel == "prefill_attention_amx"
+        kernel = self._long_kernel
         idx = meta.short_tokens
         if idx is None:
-            return ops.PassAttention(meta.token_rows, meta.token_seq_lens, chunks, amx=amx)
+            return ops.PassAttention(meta.token_rows, meta.token_seq_lens, chunks,
+                                     long_kernel=kernel)
         # The other tokens' requests and key counts, once for every layer (the Python layers
         # select them in each).
         return ops.PassAttention(meta.token_rows, meta.token_seq_lens, chunks, idx,
                                  meta.token_rows.index_select(0, idx),
-                                 meta.token_seq_lens.index_select(0, idx), amx=amx)
+                                 meta.token_seq_lens.index_select(0, idx),
+                                 long_kernel=kernel)
 
     def _choose_long_kernel(self) -> str | None:
         """The kernel torch_paged._split_attention gives a long prompt chunk of this model,
@@ -161,7 +163,8 @@ class FusedDecode:
         if attn.kv_scale is not None or attn.kv_cache.dtype == torch.int8:
             return None
         return torch_paged.chunk_kernel_name(self._ops, self._dtype, attn.num_heads,
-                                             attn.num_kv_heads, attn.head_size)
+                                             attn.num_kv_heads, attn.head_size,
+                                             int16=attn.int16_prompt_attention)
 
     def _build(self, layers: Any, hidden: torch.Tensor) -> Any:
         """The plan; None while the KV cache is not bound yet; False if the model does not

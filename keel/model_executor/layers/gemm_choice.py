@@ -192,6 +192,23 @@ def fp16_gemm_chosen() -> str | None:
     return kind if _fp16_gemm_faster else None
 
 
+def int16_attention_chosen() -> bool:
+    """Whether an attention layer packed now runs its long prompt chunks on int16 dot products
+    (csrc/prefill_attention_i16.cpp) instead of float32 FMAs: where dtype="auto" put the
+    model's GEMMs on i16_gemm or fp16_gemm (fp16_gemm_chosen), and the build has AVX512-VNNI.
+    Its error is of the order of i16_gemm's (benchmarks/i16_accuracy.py), and it ran 1.4-1.5x
+    the float32 kernel's speed on an AMD EPYC Zen 4 (BENCHMARKS.md, sixty-third round).
+    KEEL_I16_ATTENTION=0 / 1 forces it (1: for any float32 or bfloat16 model, where the build
+    has AVX512-VNNI)."""
+    from keel.cpu_ops import get_cpu_ops
+
+    forced = forced_choice("KEEL_I16_ATTENTION", "float32 FMAs", "int16 dot products")
+    if forced is False or (forced is None and fp16_gemm_chosen() is None):
+        return False
+    ops = get_cpu_ops()
+    return ops is not None and ops.prefill_attention_i16_available()
+
+
 def bf16_gemm_in_float32(weight: torch.Tensor) -> bool:
     """Whether a bfloat16 weight is computed in float32 (see the module docstring): always
     without native bfloat16 GEMMs, else when they measure slower."""

@@ -1,0 +1,354 @@
+// prefill_attention's causal attention of one long prompt chunk (prefill_attention.cpp: the
+// arguments, work items and online softmax are the same) with both of its products on
+// AVX512-VNNI's int16 dot products, for dtype="auto" where its GEMMs run on `i16_gemm` (an
+// AVX-512 CPU with VNNI and without AMX tiles or AVX512-FP16).
+//
+//   scores   Q K^T: each query vector (times the softmax scale) and each key as int16 scaled
+//            to its own largest |value| kQK = floor(sqrt((2^31 - 1) / D)) (5,792 at D = 64),
+//            so that a score's D products sum exactly in int32, then times both scales.
+//   values   P V: each weight p in [0, 1] as int16 steps of 1 / kP (kP = 16,383) and V as
+//            int16 scaled per dimension over each block of kKeys = 64 keys to kV = 2,048, so
+//            that a block's 64 products sum exactly in int32 (64 x 16,383 x 2,048 < 2^31), then
+//            times the dimension's scale / kP and added to the row's float32 sums. The row's
+//            softmax sum is taken over the same rounded weights, so each output is a convex
+//            combination of the block-scaled V rows.
+//
+// Why: one `vpdpwssd` does 32 products where a float32 FMA does 16. The two products are
+// ~80% of the float32 kernel's time (the rest is the online softmax, which stays in float32).
+// In the long workload's prompt steps the float32 kernel was 17% of `auto`'s time on an AMD
+// EPYC Zen 4 (BENCHMARKS.md, sixty-second round).
+//
+// Accuracy: a score's error is that of int16 operands with ~13.5 bits against the largest
+// |value| of their vector (bfloat16 K, as the cache keeps it, has 8 bits against each value);
+// V's values have 12 bits against the largest |value| of their dimension in the block, and P's
+// weights an absolute error of at most 1 / (2 kP). benchmarks/i16_accuracy.py measures the
+// kernel on the default model's own queries, keys and values against float64.
+//
+// Layouts, made once per call: K as [Hkv][S / 16][D / 2][16 keys][2] int16 (a 64-byte row
+// holds one pair of dimensions of 16 keys; a query's pair is one 32-bit broadcast, and one
+// `vpdpwssd` adds both products into each key's lane) with a float32 scale per key; V as
+// [Hkv][S / 2][D][2] int16 (a row holds two keys' values of 16 dimensions; a pair of weights
+// is one broadcast) with a float32 scale per (block, dimension). S is padded with zero keys to
+// a multiple of kKeys, and the blocks start at multiples of kKeys.
+#include "ops.h"
+#include "prefill_attention_common.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+bool prefill_attention_i16_available() { return true; }
+
+namespace {
+
+using namespace keel::prefill;
+
+constexpr float kP = 16383.0f;  // a weight of 1 (the row's largest)
+constexpr float kV = 2048.0f;   // V's largest |value| of a dimension in a block
+
+// acc += the pairs' products of a and b, written out (as i16_gemm.cpp does, so that GCC keeps
+// the accumulators in registers).
+inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
+  __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+inline __m512i broadcast_pair(const int16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, 4);
+  return _mm512_set1_epi32(pair);
+}
+
+// 16 floats as int16 steps of 1 / inv (round to nearest even, saturated).
+inline __m256i to_int16(__m512 v, __m512 inv) {
+  return _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)));
+}
+
+// s[x][0:32] = the scores of kTile query vectors (q: int16 [kTile][D], scales sq) against the
+// 32 keys of two adjacent groups (kp, the next `group` int16 values on; scales sk).
+__attribute__((noinline)) void scores_tile(const int16_t* q, int64_t D, const float* sq,
+                                           const int16_t* kp, int64_t group, const float* sk,
+                                           float* s, int64_t s_stride) {
+  __m512i c[kTile][2];
+#pragma GCC unroll 6
+  for (int x = 0; x < kTile; ++x) c[x][0] = c[x][1] = _mm512_setzero_si512();
+  for (int64_t dp = 0; dp < D / 2; ++dp) {
+    __m512i k0 = _mm512_loadu_si512(kp + dp * 32), k1 = _mm512_loadu_si512(kp + group + dp * 32);
+    __asm__("" : "+v"(k0), "+v"(k1));  // in registers, not folded into each dot product
+#pragma GCC unroll 6
+    for (int x = 0; x < kTile; ++x) {
+      const __m512i a = broadcast_pair(q + x * D + 2 * dp);
+      dpwssd(c[x][0], a, k0);
+      dpwssd(c[x][1], a, k1);
+    }
+  }
+  const __m512 s0 = _mm512_loadu_ps(sk), s1 = _mm512_loadu_ps(sk + 16);
+#pragma GCC unroll 6
+  for (int x = 0; x < kTile; ++x) {
+    const __m512 qs = _mm512_set1_ps(sq[x]);
+    _mm512_storeu_ps(s + x * s_stride, _mm512_mul_ps(_mm512_cvtepi32_ps(c[x][0]),
+                                                     _mm512_mul_ps(qs, s0)));
+    _mm512_storeu_ps(s + x * s_stride + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(c[x][1]),
+                                                          _mm512_mul_ps(qs, s1)));
+  }
+}
+
+// acc[x][0 : 16 W] += sum_j p[x][j] v[j][0 : 16 W] for kTile query vectors (p: int16 weights,
+// row stride p_stride) over np pairs of keys of one block (vp: its first pair at these
+// dimensions, a pair every 2 D int16 values; vs: the dimensions' scales / kP).
+template <int W>
+__attribute__((noinline)) void values_tile(const int16_t* p, int64_t p_stride, int64_t np,
+                                           const int16_t* vp, int64_t D, const float* vs,
+                                           float* acc, int64_t acc_stride) {
+  __m512i c[kTile][W];
+#pragma GCC unroll 6
+  for (int x = 0; x < kTile; ++x)
+#pragma GCC unroll 2
+    for (int w = 0; w < W; ++w) c[x][w] = _mm512_setzero_si512();
+  for (int64_t jp = 0; jp < np; ++jp) {
+    __m512i v[W];
+#pragma GCC unroll 2
+    for (int w = 0; w < W; ++w) {
+      v[w] = _mm512_loadu_si512(vp + jp * 2 * D + w * 32);
+      __asm__("" : "+v"(v[w]));
+    }
+#pragma GCC unroll 6
+    for (int x = 0; x < kTile; ++x) {
+      const __m512i a = broadcast_pair(p + x * p_stride + 2 * jp);
+#pragma GCC unroll 2
+      for (int w = 0; w < W; ++w) dpwssd(c[x][w], a, v[w]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int x = 0; x < kTile; ++x)
+#pragma GCC unroll 2
+    for (int w = 0; w < W; ++w) {
+      float* a = acc + x * acc_stride + 16 * w;
+      _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[x][w]),
+                                          _mm512_loadu_ps(vs + 16 * w), _mm512_loadu_ps(a)));
+    }
+}
+
+// The call's K and V as the tiles read them (see the header).
+struct Packed {
+  int64_t s_pad = 0, D = 0;
+  std::vector<int16_t> k, v;   // [Hkv][s_pad / 16][D / 2][16][2], [Hkv][s_pad / 2][D][2]
+  std::vector<float> ks, vs;   // [Hkv][s_pad], [Hkv][s_pad / kKeys][D] (scale / kP)
+  const int16_t* keys(int64_t hk) const { return k.data() + hk * s_pad * D; }
+  const int16_t* values(int64_t hk) const { return v.data() + hk * s_pad * D; }
+};
+
+template <typename T>
+Packed pack(const at::Tensor& key, const at::Tensor& value, float kqk) {
+  const int64_t S = key.size(0), Hkv = key.size(1), D = key.size(2);
+  Packed pk;
+  pk.D = D;
+  pk.s_pad = (S + kKeys - 1) / kKeys * kKeys;
+  const int64_t s_pad = pk.s_pad, blocks = s_pad / kKeys;
+  pk.k.assign(Hkv * s_pad * D, 0);
+  pk.v.assign(Hkv * s_pad * D, 0);
+  pk.ks.assign(Hkv * s_pad, 0.f);
+  pk.vs.assign(Hkv * blocks * D, 0.f);
+  const T* k_ptr = key.data_ptr<T>();
+  const T* v_ptr = value.data_ptr<T>();
+  const int64_t k_stride = key.stride(0), v_stride = value.stride(0);
+  // Work units: (KV head, block of kKeys keys), for K and V alike.
+  at::parallel_for(0, Hkv * blocks, 1, [&](int64_t b, int64_t e) {
+    std::vector<int16_t> row(D);
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t hk = u / blocks, j0 = u % blocks * kKeys, j1 = std::min(S, j0 + kKeys);
+      // K: each key scaled to its own largest |value|, its pairs to their group's rows.
+      int16_t* kd = pk.k.data() + hk * s_pad * D;
+      for (int64_t j = j0; j < j1; ++j) {
+        const T* src = k_ptr + j * k_stride + hk * D;
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16)
+          mx = _mm512_max_ps(mx, _mm512_abs_ps(reinterpret_cast<__m512>(keel::load16(src + d))));
+        const float amax = _mm512_reduce_max_ps(mx);
+        if (!(amax > 0.f)) continue;  // a key of zeros
+        pk.ks[hk * s_pad + j] = amax / kqk;
+        const __m512 inv = _mm512_set1_ps(kqk / amax);
+        for (int64_t d = 0; d < D; d += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.data() + d),
+                              to_int16(reinterpret_cast<__m512>(keel::load16(src + d)), inv));
+        int16_t* g = kd + (j / 16) * 16 * D + (j % 16) * 2;
+        for (int64_t dp = 0; dp < D / 2; ++dp) std::memcpy(g + dp * 32, row.data() + 2 * dp, 4);
+      }
+      // V: each dimension scaled to its largest |value| over the block; pairs of keys
+      // interleaved per dimension (the low half of a 32-bit lane the even key's).
+      float* vs = pk.vs.data() + (hk * blocks + j0 / kKeys) * D;
+      int16_t* vd = pk.v.data() + hk * s_pad * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t j = j0; j < j1; ++j)
+          mx = _mm512_max_ps(mx, _mm512_abs_ps(reinterpret_cast<__m512>(
+                                     keel::load16(v_ptr + j * v_stride + hk * D + d))));
+        const __mmask16 some = _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const __m512 inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(kV), mx);
+        _mm512_storeu_ps(vs + d, _mm512_maskz_div_ps(some, mx, _mm512_set1_ps(kV * kP)));
+        for (int64_t j = j0; j < j1; j += 2) {
+          const __m512i even = _mm512_cvtps_epi32(_mm512_mul_ps(
+              reinterpret_cast<__m512>(keel::load16(v_ptr + j * v_stride + hk * D + d)), inv));
+          const __m512i odd = j + 1 < j1 ? _mm512_cvtps_epi32(_mm512_mul_ps(
+              reinterpret_cast<__m512>(keel::load16(v_ptr + (j + 1) * v_stride + hk * D + d)),
+              inv)) : _mm512_setzero_si512();
+          const __m512i lanes = _mm512_or_si512(
+              _mm512_and_si512(even, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(odd, 16));
+          _mm512_storeu_si512(vd + (j / 2) * 2 * D + 2 * d, lanes);
+        }
+      }
+    }
+  });
+  return pk;
+}
+
+struct Scratch {
+  std::vector<int16_t> q, p;  // [nv4][D], [nv4][kKeys]
+  std::vector<float> sq, s, acc, m, l;
+};
+
+template <typename T>
+void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const Packed& pk, T* o_ptr,
+                 int64_t o_stride, int64_t hk, int64_t G, int64_t r0, int64_t nr, int64_t offset,
+                 int64_t window, float scale, float kqk, Scratch& w) {
+  // Query vector x = r * G + g: row r0 + r, head hk * G + g; padded to a multiple of kTile
+  // with zero vectors (scale 0, weights 0) whose results are dropped.
+  const int64_t nv = nr * G, nv4 = (nv + kTile - 1) / kTile * kTile;
+  w.q.assign(nv4 * D, 0);
+  w.sq.assign(nv4, 0.f);
+  w.p.assign(nv4 * kKeys, 0);
+  w.s.resize(nv4 * kKeys);
+  w.acc.assign(nv4 * D, 0.f);
+  w.m.assign(nv4, -std::numeric_limits<float>::infinity());
+  w.l.assign(nv4, 0.f);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = q_ptr + (r0 + r) * q_stride + (hk * G + g) * D;
+      const int64_t x = r * G + g;
+      __m512 mx = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16)
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_mul_ps(
+                                   reinterpret_cast<__m512>(keel::load16(src + d)), sc)));
+      const float amax = _mm512_reduce_max_ps(mx);
+      if (!(amax > 0.f)) continue;
+      w.sq[x] = amax / kqk;
+      const __m512 inv = _mm512_set1_ps(kqk / amax);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.q.data() + x * D + d),
+                            to_int16(_mm512_mul_ps(reinterpret_cast<__m512>(keel::load16(src + d)),
+                                                   sc), inv));
+    }
+  const int64_t first_pos = offset + r0, last_pos = offset + r0 + nr - 1;
+  const int64_t k_begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t k_end = last_pos + 1;
+  const int16_t* kp = pk.keys(hk);
+  const int16_t* vp = pk.values(hk);
+  const float* ks = pk.ks.data() + hk * pk.s_pad;
+  const float* vs = pk.vs.data() + hk * (pk.s_pad / kKeys) * D;
+  float* s = w.s.data();
+  const __m512 kp_v = _mm512_set1_ps(kP);
+  for (int64_t kb = k_begin / kKeys * kKeys; kb < k_end; kb += kKeys) {
+    const int64_t n = std::min(kKeys, k_end - kb), n16 = (n + 15) / 16 * 16;
+    for (int64_t x = 0; x < nv4; x += kTile)
+      for (int64_t j = 0; j < n16; j += 32)  // up to 16 keys past n16 (zeros): unused
+        scores_tile(w.q.data() + x * D, D, w.sq.data() + x, kp + (kb + j) * D, 16 * D,
+                    ks + kb + j, s + x * kKeys + j, kKeys);
+    for (int64_t x = 0; x < nv; ++x) {
+      const int64_t pos = first_pos + x / G;
+      const int64_t hi = std::min(n16, pos - kb + 1);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - kb) : 0;
+      int16_t* px = w.p.data() + x * kKeys;
+      softmax_row(s + x * kKeys, n16, lo, hi, w.m[x], w.l[x], w.acc.data() + x * D, D, 1.f / kP,
+                  [px, kp_v](int64_t j, Vec p) {  // the weights as int16 steps of 1 / kP
+                    const __m512 r = _mm512_roundscale_ps(
+                        _mm512_mul_ps(reinterpret_cast<__m512>(p), kp_v), _MM_FROUND_TO_NEAREST_INT);
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(px + j),
+                                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(r)));
+                    return reinterpret_cast<const Vec&>(r);
+                  });
+    }
+    const int64_t np = (n + 1) / 2;
+    const int16_t* vb = vp + kb * D;  // pair kb / 2: 2 D int16 values a pair
+    const float* vsb = vs + kb / kKeys * D;
+    for (int64_t x = 0; x < nv4; x += kTile) {
+      int64_t d = 0;
+      for (; d + 32 <= D; d += 32)
+        values_tile<2>(w.p.data() + x * kKeys, kKeys, np, vb + 2 * d, D, vsb + d,
+                       w.acc.data() + x * D + d, D);
+      for (; d < D; d += 16)
+        values_tile<1>(w.p.data() + x * kKeys, kKeys, np, vb + 2 * d, D, vsb + d,
+                       w.acc.data() + x * D + d, D);
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t x = r * G + g;
+      const __m512 inv = _mm512_set1_ps(1.f / w.l[x]);
+      const float* a = w.acc.data() + x * D;
+      T* dst = o_ptr + (r0 + r) * o_stride + (hk * G + g) * D;
+      for (int64_t d = 0; d < D; d += 16)
+        keel::storev(dst + d, reinterpret_cast<keel::v16>(_mm512_mul_ps(_mm512_loadu_ps(a + d),
+                                                                         inv)));
+    }
+}
+
+template <typename T>
+void prefill_kernel(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                    at::Tensor& out, float scale, int64_t window) {
+  const int64_t L = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t S = key.size(0), Hkv = key.size(1);
+  const int64_t G = H / Hkv, offset = S - L;
+  // The largest |int16| of a query or key vector: D products of kqk^2 fit an int32.
+  int64_t q = static_cast<int64_t>(std::sqrt(2147483647.0 / static_cast<double>(D)));
+  while (q * q * D > 2147483647) --q;
+  const float kqk = static_cast<float>(q);
+  const Packed pk = pack<T>(key, value, kqk);
+  const int64_t blocks = (L + kRows - 1) / kRows, items = blocks * Hkv;
+  std::atomic<int64_t> next{0};  // longest first: the last row blocks see the most keys
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  const T* q_ptr = query.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch w;
+    for (int64_t i = next++; i < items; i = next++) {
+      const int64_t blk = blocks - 1 - i / Hkv, hk = i % Hkv;
+      const int64_t r0 = blk * kRows, nr = std::min(kRows, L - r0);
+      attend_item<T>(D, q_ptr, query.stride(0), pk, o_ptr, out.stride(0), hk, G, r0, nr, offset,
+                     window, scale, kqk, w);
+    }
+  });
+}
+
+}  // namespace
+
+void prefill_attention_i16(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor out,
+                           double scale, int64_t sliding_window) {
+  keel::prefill::check_args("prefill_attention_i16", query, key, value, out,
+                            keel::prefill::kMaxGroup);
+  const float sc = static_cast<float>(scale);
+  if (query.scalar_type() == at::kFloat) {
+    prefill_kernel<float>(query, key, value, out, sc, sliding_window);
+  } else {
+    TORCH_CHECK(query.scalar_type() == at::kBFloat16,
+                "prefill_attention_i16: float32 or bfloat16 only");
+    prefill_kernel<c10::BFloat16>(query, key, value, out, sc, sliding_window);
+  }
+}
+
+#else  // no AVX512-VNNI
+
+bool prefill_attention_i16_available() { return false; }
+void prefill_attention_i16(at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, int64_t) {
+  TORCH_CHECK(false, "prefill_attention_i16 needs AVX512-VNNI (prefill_attention_i16_available() "
+                     "is false here)");
+}
+
+#endif

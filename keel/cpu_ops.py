@@ -4,6 +4,10 @@
   rows, and the tokens of short prompts) reading K/V in place through the block table. The
   portable torch path gathers every request's context into a padded copy first; for decode
   rows that copy cost more than the attention itself (~45% of a SmolLM2 decode step).
+- `prefill_attention` (csrc/prefill_attention.cpp), `prefill_attention_amx` (AMX tiles) and
+  `prefill_attention_i16` (csrc/prefill_attention_i16.cpp, AVX512-VNNI's int16 dot products,
+  dtype="auto"'s where its GEMMs run on int16 or float16; `prefill_attention_i16_available()`):
+  causal flash attention of one long prompt chunk over its keys.
 - `rms_norm`, `fused_add_rms_norm_`, `rotary_neox_`, `silu_and_mul`, `argmax_rows`
   (csrc/fused_ops.cpp): the decoder layer's elementwise steps, one op each instead of 5-15
   torch ops, rounding where those torch expressions round; `write_kv_cache`

@@ -3,26 +3,30 @@
 // AVX512-VNNI's int16 dot products, for dtype="auto" where its GEMMs run on `i16_gemm` (an
 // AVX-512 CPU with VNNI and without AMX tiles or AVX512-FP16).
 //
-//   scores   Q K^T: each query vector (times the softmax scale) and each key as int16 scaled
-//            to its own largest |value| kQK = floor(sqrt((2^31 - 1) / D)) (5,792 at D = 64),
-//            so that a score's D products sum exactly in int32, then times both scales.
-//   values   P V: each weight p in [0, 1] as int16 steps of 1 / kP (kP = 16,383) and V as
-//            int16 scaled per dimension over each block of kKeys = 64 keys to kV = 2,048, so
-//            that a block's 64 products sum exactly in int32 (64 x 16,383 x 2,048 < 2^31), then
-//            times the dimension's scale / kP and added to the row's float32 sums. The row's
-//            softmax sum is taken over the same rounded weights, so each output is a convex
-//            combination of the block-scaled V rows.
+//   scores   Q K^T: each query vector (times the softmax scale) as int16 scaled to its largest
+//            |value| kQ = 11,585, and each key as int16 at the finest step up to kQ at which
+//            its |int16| values sum to at most kL1Max = 185,367 (i16_gemm's rule), so that a
+//            score's products sum exactly in int32 (kQ x kL1Max < 2^31), then times both
+//            scales.
+//   values   P V: V as int16 scaled per dimension over each block of kKeys = 64 keys to
+//            kV = 32,767; a row's weights p in [0, 1] of the block as int16 steps of 1 / kp,
+//            kp = min(32,767, (kPSum - 64) / (the block's sum of p)), so that the rounded
+//            weights sum to at most kPSum = 65,535 and the block's products sum exactly in
+//            int32 (kPSum x kV < 2^31); then times the dimension's scale / kp and added to the
+//            row's float32 sums. The row's softmax sum is taken over the same rounded weights,
+//            so each output is a convex combination of the block-scaled V rows.
 //
 // Why: one `vpdpwssd` does 32 products where a float32 FMA does 16. The two products are
 // ~80% of the float32 kernel's time (the rest is the online softmax, which stays in float32).
 // In the long workload's prompt steps the float32 kernel was 17% of `auto`'s time on an AMD
 // EPYC Zen 4 (BENCHMARKS.md, sixty-second round).
 //
-// Accuracy: a score's error is that of int16 operands with ~13.5 bits against the largest
-// |value| of their vector (bfloat16 K, as the cache keeps it, has 8 bits against each value);
-// V's values have 12 bits against the largest |value| of their dimension in the block, and P's
-// weights an absolute error of at most 1 / (2 kP). benchmarks/i16_accuracy.py measures the
-// kernel on the default model's own queries, keys and values against float64.
+// Accuracy: queries and keys have ~13.5 bits against the largest |value| of their vector
+// (a key of many large values a little fewer: the rule), V 15 bits against the largest |value|
+// of its dimension in the block (bfloat16 K and V, as dtype="auto" keeps them in its cache,
+// have 8 bits against each value), the weights 15 bits (fewer where many share a block's
+// weight: then each counts less). benchmarks/prefill_attention_i16.py measures the kernel on
+// the default model's own queries, keys and values against float64.
 //
 // Layouts, made once per call: K as [Hkv][S / 16][D / 2][16 keys][2] int16 (a 64-byte row
 // holds one pair of dimensions of 16 keys; a query's pair is one 32-bit broadcast, and one
@@ -51,8 +55,14 @@ namespace {
 
 using namespace keel::prefill;
 
-constexpr float kP = 16383.0f;  // a weight of 1 (the row's largest)
-constexpr float kV = 2048.0f;   // V's largest |value| of a dimension in a block
+constexpr float kQ = 11585.0f;  // a query vector's largest |int16| (2^13.5)
+// The largest sum of a key's |int16| values: kQ * kL1Max < 2^31 (as in i16_gemm.cpp).
+constexpr int64_t kL1Max = 2147483647 / static_cast<int64_t>(kQ);  // 185,367
+constexpr float kV = 32767.0f;  // V's largest |int16| of a dimension in a block
+// The largest sum of a row's int16 weights over a block: kPSum * kV < 2^31. A row's step kp
+// leaves room for the rounding of up to kKeys weights (each up by at most 1/2).
+constexpr float kPSum = 65535.0f;
+constexpr float kPMax = 32767.0f;  // a weight of 1 (the row's largest) at most
 
 // acc += the pairs' products of a and b, written out (as i16_gemm.cpp does, so that GCC keeps
 // the accumulators in registers).
@@ -101,12 +111,13 @@ __attribute__((noinline)) void scores_tile(const int16_t* q, int64_t D, const fl
 }
 
 // acc[x][0 : 16 W] += sum_j p[x][j] v[j][0 : 16 W] for kTile query vectors (p: int16 weights,
-// row stride p_stride) over np pairs of keys of one block (vp: its first pair at these
-// dimensions, a pair every 2 D int16 values; vs: the dimensions' scales / kP).
+// row stride p_stride, each row's step 1 / kp in pstep) over np pairs of keys of one block
+// (vp: its first pair at these dimensions, a pair every 2 D int16 values; vs: the dimensions'
+// scales).
 template <int W>
-__attribute__((noinline)) void values_tile(const int16_t* p, int64_t p_stride, int64_t np,
-                                           const int16_t* vp, int64_t D, const float* vs,
-                                           float* acc, int64_t acc_stride) {
+__attribute__((noinline)) void values_tile(const int16_t* p, int64_t p_stride, const float* pstep,
+                                           int64_t np, const int16_t* vp, int64_t D,
+                                           const float* vs, float* acc, int64_t acc_stride) {
   __m512i c[kTile][W];
 #pragma GCC unroll 6
   for (int x = 0; x < kTile; ++x)
@@ -127,26 +138,29 @@ __attribute__((noinline)) void values_tile(const int16_t* p, int64_t p_stride, i
     }
   }
 #pragma GCC unroll 6
-  for (int x = 0; x < kTile; ++x)
+  for (int x = 0; x < kTile; ++x) {
+    const __m512 step = _mm512_set1_ps(pstep[x]);
 #pragma GCC unroll 2
     for (int w = 0; w < W; ++w) {
       float* a = acc + x * acc_stride + 16 * w;
-      _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[x][w]),
-                                          _mm512_loadu_ps(vs + 16 * w), _mm512_loadu_ps(a)));
+      const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(vs + 16 * w), step);
+      _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[x][w]), scale,
+                                          _mm512_loadu_ps(a)));
     }
+  }
 }
 
 // The call's K and V as the tiles read them (see the header).
 struct Packed {
   int64_t s_pad = 0, D = 0;
   std::vector<int16_t> k, v;   // [Hkv][s_pad / 16][D / 2][16][2], [Hkv][s_pad / 2][D][2]
-  std::vector<float> ks, vs;   // [Hkv][s_pad], [Hkv][s_pad / kKeys][D] (scale / kP)
+  std::vector<float> ks, vs;   // [Hkv][s_pad], [Hkv][s_pad / kKeys][D]
   const int16_t* keys(int64_t hk) const { return k.data() + hk * s_pad * D; }
   const int16_t* values(int64_t hk) const { return v.data() + hk * s_pad * D; }
 };
 
 template <typename T>
-Packed pack(const at::Tensor& key, const at::Tensor& value, float kqk) {
+Packed pack(const at::Tensor& key, const at::Tensor& value) {
   const int64_t S = key.size(0), Hkv = key.size(1), D = key.size(2);
   Packed pk;
   pk.D = D;
@@ -164,17 +178,24 @@ Packed pack(const at::Tensor& key, const at::Tensor& value, float kqk) {
     std::vector<int16_t> row(D);
     for (int64_t u = b; u < e; ++u) {
       const int64_t hk = u / blocks, j0 = u % blocks * kKeys, j1 = std::min(S, j0 + kKeys);
-      // K: each key scaled to its own largest |value|, its pairs to their group's rows.
+      // K: each key at the finest step the rule allows (see the header), its pairs to their
+      // group's rows.
       int16_t* kd = pk.k.data() + hk * s_pad * D;
       for (int64_t j = j0; j < j1; ++j) {
         const T* src = k_ptr + j * k_stride + hk * D;
-        __m512 mx = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16)
-          mx = _mm512_max_ps(mx, _mm512_abs_ps(reinterpret_cast<__m512>(keel::load16(src + d))));
+        __m512 mx = _mm512_setzero_ps(), l1 = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 a = _mm512_abs_ps(reinterpret_cast<__m512>(keel::load16(src + d)));
+          mx = _mm512_max_ps(mx, a);
+          l1 = _mm512_add_ps(l1, a);
+        }
         const float amax = _mm512_reduce_max_ps(mx);
         if (!(amax > 0.f)) continue;  // a key of zeros
-        pk.ks[hk * s_pad + j] = amax / kqk;
-        const __m512 inv = _mm512_set1_ps(kqk / amax);
+        // Rounding adds at most 1/2 a value to the sum of |int16|: D / 2 of room.
+        const float step = std::min(kQ / amax, static_cast<float>(kL1Max - D / 2 - 1) /
+                                                   _mm512_reduce_add_ps(l1));
+        pk.ks[hk * s_pad + j] = 1.f / step;
+        const __m512 inv = _mm512_set1_ps(step);
         for (int64_t d = 0; d < D; d += 16)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.data() + d),
                               to_int16(reinterpret_cast<__m512>(keel::load16(src + d)), inv));
@@ -192,7 +213,7 @@ Packed pack(const at::Tensor& key, const at::Tensor& value, float kqk) {
                                      keel::load16(v_ptr + j * v_stride + hk * D + d))));
         const __mmask16 some = _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ);
         const __m512 inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(kV), mx);
-        _mm512_storeu_ps(vs + d, _mm512_maskz_div_ps(some, mx, _mm512_set1_ps(kV * kP)));
+        _mm512_storeu_ps(vs + d, _mm512_maskz_div_ps(some, mx, _mm512_set1_ps(kV)));
         for (int64_t j = j0; j < j1; j += 2) {
           const __m512i even = _mm512_cvtps_epi32(_mm512_mul_ps(
               reinterpret_cast<__m512>(keel::load16(v_ptr + j * v_stride + hk * D + d)), inv));
@@ -211,19 +232,20 @@ Packed pack(const at::Tensor& key, const at::Tensor& value, float kqk) {
 
 struct Scratch {
   std::vector<int16_t> q, p;  // [nv4][D], [nv4][kKeys]
-  std::vector<float> sq, s, acc, m, l;
+  std::vector<float> sq, s, acc, m, l, pstep;
 };
 
 template <typename T>
 void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const Packed& pk, T* o_ptr,
                  int64_t o_stride, int64_t hk, int64_t G, int64_t r0, int64_t nr, int64_t offset,
-                 int64_t window, float scale, float kqk, Scratch& w) {
+                 int64_t window, float scale, Scratch& w) {
   // Query vector x = r * G + g: row r0 + r, head hk * G + g; padded to a multiple of kTile
   // with zero vectors (scale 0, weights 0) whose results are dropped.
   const int64_t nv = nr * G, nv4 = (nv + kTile - 1) / kTile * kTile;
   w.q.assign(nv4 * D, 0);
   w.sq.assign(nv4, 0.f);
   w.p.assign(nv4 * kKeys, 0);
+  w.pstep.assign(nv4, 0.f);
   w.s.resize(nv4 * kKeys);
   w.acc.assign(nv4 * D, 0.f);
   w.m.assign(nv4, -std::numeric_limits<float>::infinity());
@@ -239,8 +261,8 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const Packed& pk, 
                                    reinterpret_cast<__m512>(keel::load16(src + d)), sc)));
       const float amax = _mm512_reduce_max_ps(mx);
       if (!(amax > 0.f)) continue;
-      w.sq[x] = amax / kqk;
-      const __m512 inv = _mm512_set1_ps(kqk / amax);
+      w.sq[x] = amax / kQ;
+      const __m512 inv = _mm512_set1_ps(kQ / amax);
       for (int64_t d = 0; d < D; d += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.q.data() + x * D + d),
                             to_int16(_mm512_mul_ps(reinterpret_cast<__m512>(keel::load16(src + d)),
@@ -254,7 +276,6 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const Packed& pk, 
   const float* ks = pk.ks.data() + hk * pk.s_pad;
   const float* vs = pk.vs.data() + hk * (pk.s_pad / kKeys) * D;
   float* s = w.s.data();
-  const __m512 kp_v = _mm512_set1_ps(kP);
   for (int64_t kb = k_begin / kKeys * kKeys; kb < k_end; kb += kKeys) {
     const int64_t n = std::min(kKeys, k_end - kb), n16 = (n + 15) / 16 * 16;
     for (int64_t x = 0; x < nv4; x += kTile)
@@ -265,27 +286,43 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const Packed& pk, 
       const int64_t pos = first_pos + x / G;
       const int64_t hi = std::min(n16, pos - kb + 1);
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - kb) : 0;
-      int16_t* px = w.p.data() + x * kKeys;
-      softmax_row(s + x * kKeys, n16, lo, hi, w.m[x], w.l[x], w.acc.data() + x * D, D, 1.f / kP,
-                  [px, kp_v](int64_t j, Vec p) {  // the weights as int16 steps of 1 / kP
-                    const __m512 r = _mm512_roundscale_ps(
-                        _mm512_mul_ps(reinterpret_cast<__m512>(p), kp_v), _MM_FROUND_TO_NEAREST_INT);
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(px + j),
-                                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(r)));
-                    return reinterpret_cast<const Vec&>(r);
+      float* sx = s + x * kKeys;
+      // The weights in float32 first (the sum l takes the rounded ones below: unit 0), then
+      // as int16 at the row's step for this block.
+      Vec total = {};
+      softmax_row(sx, n16, lo, hi, w.m[x], w.l[x], w.acc.data() + x * D, D, 0.f,
+                  [sx, &total](int64_t j, Vec p) {
+                    keel::storev(sx + j, p);
+                    total += p;
+                    return p;
                   });
+      const float sum = hsum_lanes(total);
+      const float kw = sum > 0.f ? std::min(kPMax, std::floor((kPSum - kKeys) / sum)) : kPMax;
+      const __m512 kwv = _mm512_set1_ps(kw);
+      __m512 rounded = _mm512_setzero_ps();
+      int16_t* px = w.p.data() + x * kKeys;
+      for (int64_t j = 0; j < n16; j += 16) {
+        const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(sx + j), kwv),
+                                              _MM_FROUND_TO_NEAREST_INT);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(px + j),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(r)));
+        rounded = _mm512_add_ps(rounded, r);
+      }
+      w.pstep[x] = 1.f / kw;
+      w.l[x] += _mm512_reduce_add_ps(rounded) / kw;
     }
     const int64_t np = (n + 1) / 2;
     const int16_t* vb = vp + kb * D;  // pair kb / 2: 2 D int16 values a pair
     const float* vsb = vs + kb / kKeys * D;
     for (int64_t x = 0; x < nv4; x += kTile) {
+      const int16_t* px = w.p.data() + x * kKeys;
+      const float* step = w.pstep.data() + x;
+      float* acc = w.acc.data() + x * D;
       int64_t d = 0;
       for (; d + 32 <= D; d += 32)
-        values_tile<2>(w.p.data() + x * kKeys, kKeys, np, vb + 2 * d, D, vsb + d,
-                       w.acc.data() + x * D + d, D);
+        values_tile<2>(px, kKeys, step, np, vb + 2 * d, D, vsb + d, acc + d, D);
       for (; d < D; d += 16)
-        values_tile<1>(w.p.data() + x * kKeys, kKeys, np, vb + 2 * d, D, vsb + d,
-                       w.acc.data() + x * D + d, D);
+        values_tile<1>(px, kKeys, step, np, vb + 2 * d, D, vsb + d, acc + d, D);
     }
   }
   for (int64_t r = 0; r < nr; ++r)
@@ -306,11 +343,7 @@ void prefill_kernel(const at::Tensor& query, const at::Tensor& key, const at::Te
   const int64_t L = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t S = key.size(0), Hkv = key.size(1);
   const int64_t G = H / Hkv, offset = S - L;
-  // The largest |int16| of a query or key vector: D products of kqk^2 fit an int32.
-  int64_t q = static_cast<int64_t>(std::sqrt(2147483647.0 / static_cast<double>(D)));
-  while (q * q * D > 2147483647) --q;
-  const float kqk = static_cast<float>(q);
-  const Packed pk = pack<T>(key, value, kqk);
+  const Packed pk = pack<T>(key, value);
   const int64_t blocks = (L + kRows - 1) / kRows, items = blocks * Hkv;
   std::atomic<int64_t> next{0};  // longest first: the last row blocks see the most keys
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
@@ -322,7 +355,7 @@ void prefill_kernel(const at::Tensor& query, const at::Tensor& key, const at::Te
       const int64_t blk = blocks - 1 - i / Hkv, hk = i % Hkv;
       const int64_t r0 = blk * kRows, nr = std::min(kRows, L - r0);
       attend_item<T>(D, q_ptr, query.stride(0), pk, o_ptr, out.stride(0), hk, G, r0, nr, offset,
-                     window, scale, kqk, w);
+                     window, scale, w);
     }
   });
 }

@@ -133,7 +133,7 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const float* kt, i
       const int64_t hi = std::min(n16, pos - kb + 1);
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - kb) : 0;
       float* sx = s + x * kKeys;
-      softmax_row(sx, n16, lo, hi, w.m[x], w.l[x], w.acc.data() + x * D, D, 1.f,
+      softmax_row(sx, n16, lo, hi, w.m[x], w.l[x], w.acc.data() + x * D, D,
                   [sx](int64_t j, Vec p) {  // the weights over their scores
                     keel::storev(sx + j, p);
                     return p;

@@ -74,13 +74,13 @@ inline float hsum_lanes(Vec v) {
 // window, get weight 0, lane by lane, with no pass of their own): its running maximum m and
 // sum l move on, what it accumulated so far (acc, D floats) is rescaled where the maximum grew,
 // and each kLanes lanes of weights go to store(j, p), which keeps them as the kernel's values
-// tile reads them and returns the weights it kept (the sum l adds, times `unit`).
+// tile reads them and returns the weights it kept (the sum l adds). Returns that block sum.
 template <typename Store>
-inline void softmax_row(const float* sx, int64_t n16, int64_t lo, int64_t hi, float& m, float& l,
-                        float* acc, int64_t D, float unit, Store store) {
+inline float softmax_row(const float* sx, int64_t n16, int64_t lo, int64_t hi, float& m,
+                         float& l, float* acc, int64_t D, Store store) {
   if (hi <= lo) {  // nothing of the block is visible to this row
     for (int64_t j = 0; j < n16; j += kLanes) store(j, Vec{});
-    return;
+    return 0.f;
   }
   const bool whole = lo == 0 && hi == n16;
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -101,10 +101,12 @@ inline void softmax_row(const float* sx, int64_t n16, int64_t lo, int64_t hi, fl
     if (!whole) p = visible(j, lo, hi) ? p : Vec{};
     sum += store(j, p);
   }
-  l = l * alpha + hsum_lanes(sum) * unit;
+  const float block = hsum_lanes(sum);
+  l = l * alpha + block;
   if (alpha != 1.f)
     for (int64_t d = 0; d < D; d += kLanes)
       keel::storev(acc + d, keel::loadv<Vec>(acc + d) * splat<Vec>(alpha));
+  return block;
 }
 
 // The arguments both kernels take (`name` heads the errors): query [L, H, D], key and value

@@ -10,11 +10,11 @@
 //            scales.
 //   values   P V: V as int16 scaled per dimension over each block of kKeys = 64 keys to
 //            kV = 32,767; a row's weights p in [0, 1] of the block as int16 steps of 1 / kp,
-//            kp = min(32,767, (kPSum - 64) / (the block's sum of p)), so that the rounded
+//            kp = min(32,767, floor((kPSum - 64) / the block's sum of p)), so that the rounded
 //            weights sum to at most kPSum = 65,535 and the block's products sum exactly in
 //            int32 (kPSum x kV < 2^31); then times the dimension's scale / kp and added to the
-//            row's float32 sums. The row's softmax sum is taken over the same rounded weights,
-//            so each output is a convex combination of the block-scaled V rows.
+//            row's float32 sums. The softmax's sums are the float32 weights' (a rounded
+//            weight is within 1 / (2 kp) of its weight either way).
 //
 // Why: one `vpdpwssd` does 32 products where a float32 FMA does 16. The two products are
 // ~80% of the float32 kernel's time (the rest is the online softmax, which stays in float32).
@@ -287,29 +287,20 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const Packed& pk, 
       const int64_t hi = std::min(n16, pos - kb + 1);
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - kb) : 0;
       float* sx = s + x * kKeys;
-      // The weights in float32 first (the sum l takes the rounded ones below: unit 0), then
-      // as int16 at the row's step for this block.
-      Vec total = {};
-      softmax_row(sx, n16, lo, hi, w.m[x], w.l[x], w.acc.data() + x * D, D, 0.f,
-                  [sx, &total](int64_t j, Vec p) {
-                    keel::storev(sx + j, p);
-                    total += p;
-                    return p;
-                  });
-      const float sum = hsum_lanes(total);
+      // The weights in float32 first, then as int16 at the row's step for this block.
+      const float sum = softmax_row(sx, n16, lo, hi, w.m[x], w.l[x], w.acc.data() + x * D, D,
+                                    [sx](int64_t j, Vec p) {
+                                      keel::storev(sx + j, p);
+                                      return p;
+                                    });
       const float kw = sum > 0.f ? std::min(kPMax, std::floor((kPSum - kKeys) / sum)) : kPMax;
       const __m512 kwv = _mm512_set1_ps(kw);
-      __m512 rounded = _mm512_setzero_ps();
       int16_t* px = w.p.data() + x * kKeys;
-      for (int64_t j = 0; j < n16; j += 16) {
-        const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(sx + j), kwv),
-                                              _MM_FROUND_TO_NEAREST_INT);
+      for (int64_t j = 0; j < n16; j += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(px + j),
-                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(r)));
-        rounded = _mm512_add_ps(rounded, r);
-      }
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
+                                _mm512_mul_ps(_mm512_loadu_ps(sx + j), kwv))));
       w.pstep[x] = 1.f / kw;
-      w.l[x] += _mm512_reduce_add_ps(rounded) / kw;
     }
     const int64_t np = (n + 1) / 2;
     const int16_t* vb = vp + kb * D;  // pair kb / 2: 2 D int16 values a pair

@@ -86,7 +86,8 @@ def scheme(q, k, v, scale):
     """The kernel's arithmetic in float64, for S <= 64 keys (one block: each weight is
     relative to its row's largest score): query vectors as int16 at K_Q, keys at the finest
     step up to K_Q whose |int16| values sum to at most L1_MAX, V per dimension at K_V, each
-    row's weights as int16 steps of 1 / kw (their sum at most P_SUM), exact integer sums."""
+    row's weights as int16 steps of 1 / kw (their sum at most P_SUM), exact integer sums, over
+    the float weights' sum."""
     L, H, D = q.shape
     S, Hkv, _ = k.shape
     qs = q.float() * scale
@@ -107,7 +108,8 @@ def scheme(q, k, v, scale):
                       .amax(1, keepdim=True))
         kw = torch.clamp(torch.floor((P_SUM - 64) / p.sum(1, keepdim=True)), max=P_MAX)
         pi = torch.round(p * kw)
-        out[:, h] = (pi @ vi[:, g].double()) * (vmax[0, g].double() / K_V) / pi.sum(1, keepdim=True)
+        out[:, h] = ((pi @ vi[:, g].double()) * (vmax[0, g].double() / K_V) / kw
+                     / p.sum(1, keepdim=True))
     return out.reshape(L, H * D)
 
 

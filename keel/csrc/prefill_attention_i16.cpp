@@ -1,7 +1,7 @@
 // prefill_attention's causal attention of one long prompt chunk (prefill_attention.cpp: the
 // arguments, work items and online softmax are the same) with both of its products on
 // AVX512-VNNI's int16 dot products, for dtype="auto" where its GEMMs run on `i16_gemm` (an
-// AVX-512 CPU with VNNI and without AMX tiles or AVX512-FP16).
+// AVX-512 CPU with VNNI and without AMX tiles or AVX512-FP16) or `fp16_gemm`.
 //
 //   scores   Q K^T: each query vector (times the softmax scale) as int16 scaled to its largest
 //            |value| kQ = 11,585, and each key as int16 at the finest step up to kQ at which
@@ -9,12 +9,12 @@
 //            score's products sum exactly in int32 (kQ x kL1Max < 2^31), then times both
 //            scales.
 //   values   P V: V as int16 scaled per dimension over each block of kKeys = 64 keys to
-//            kV = 32,767; a row's weights p in [0, 1] of the block as int16 steps of 1 / kp,
-//            kp = min(32,767, floor((kPSum - 64) / the block's sum of p)), so that the rounded
+//            kV = 32,767; a row's weights p in [0, 1] of the block as int16 steps of 1 / kw,
+//            kw = min(32,767, floor((kPSum - 64) / the block's sum of p)), so that the rounded
 //            weights sum to at most kPSum = 65,535 and the block's products sum exactly in
-//            int32 (kPSum x kV < 2^31); then times the dimension's scale / kp and added to the
+//            int32 (kPSum x kV < 2^31); then times the dimension's scale / kw and added to the
 //            row's float32 sums. The softmax's sums are the float32 weights' (a rounded
-//            weight is within 1 / (2 kp) of its weight either way).
+//            weight is within 1 / (2 kw) of its weight either way).
 //
 // Why: one `vpdpwssd` does 32 products where a float32 FMA does 16. The two products are
 // ~80% of the float32 kernel's time (the rest is the online softmax, which stays in float32).
@@ -59,7 +59,7 @@ constexpr float kQ = 11585.0f;  // a query vector's largest |int16| (2^13.5)
 // The largest sum of a key's |int16| values: kQ * kL1Max < 2^31 (as in i16_gemm.cpp).
 constexpr int64_t kL1Max = 2147483647 / static_cast<int64_t>(kQ);  // 185,367
 constexpr float kV = 32767.0f;  // V's largest |int16| of a dimension in a block
-// The largest sum of a row's int16 weights over a block: kPSum * kV < 2^31. A row's step kp
+// The largest sum of a row's int16 weights over a block: kPSum * kV < 2^31. A row's step kw
 // leaves room for the rounding of up to kKeys weights (each up by at most 1/2).
 constexpr float kPSum = 65535.0f;
 constexpr float kPMax = 32767.0f;  // a weight of 1 (the row's largest) at most
@@ -111,7 +111,7 @@ __attribute__((noinline)) void scores_tile(const int16_t* q, int64_t D, const fl
 }
 
 // acc[x][0 : 16 W] += sum_j p[x][j] v[j][0 : 16 W] for kTile query vectors (p: int16 weights,
-// row stride p_stride, each row's step 1 / kp in pstep) over np pairs of keys of one block
+// row stride p_stride, each row's step 1 / kw in pstep) over np pairs of keys of one block
 // (vp: its first pair at these dimensions, a pair every 2 D int16 values; vs: the dimensions'
 // scales).
 template <int W>

@@ -196,8 +196,9 @@ def int16_attention_chosen() -> bool:
     """Whether an attention layer packed now runs its long prompt chunks on int16 dot products
     (csrc/prefill_attention_i16.cpp) instead of float32 FMAs: where dtype="auto" put the
     model's GEMMs on i16_gemm or fp16_gemm (fp16_gemm_chosen), and the build has AVX512-VNNI.
-    Its error is of the order of i16_gemm's (benchmarks/i16_accuracy.py), and it ran 1.4-1.5x
-    the float32 kernel's speed on an AMD EPYC Zen 4 (BENCHMARKS.md, sixty-third round).
+    On the default model's layers its mean error is ~1/10 of the float32 kernel's over a
+    bfloat16 K/V (benchmarks/prefill_attention_i16.py), and it ran 1.3-1.5x the float32
+    kernel's speed on an AMD EPYC Zen 4 (BENCHMARKS.md, sixty-third round).
     KEEL_I16_ATTENTION=0 / 1 forces it (1: for any float32 or bfloat16 model, where the build
     has AVX512-VNNI)."""
     from keel.cpu_ops import get_cpu_ops

@@ -215,3 +215,25 @@ def test_bad_arguments_raise(ops, bad, message):
         message = "needs AVX512-VNNI"
     with pytest.raises(RuntimeError, match=message):
         ops.prefill_attention_i16(*bad(q, k, v, out), 0.125, 0)
+
+
+def test_the_choice_follows_auto_and_the_switch(ops, monkeypatch):
+    """gemm_choice.int16_attention_chosen: only where dtype="auto" put the GEMMs on int16 or
+    float16 (fp16_gemm_chosen), unless KEEL_I16_ATTENTION forces it; never without VNNI; a
+    bad value names the choices."""
+    from keel.model_executor.layers import gemm_choice
+
+    vnni = ops.prefill_attention_i16_available()
+    monkeypatch.delenv("KEEL_I16_ATTENTION", raising=False)
+    monkeypatch.setattr(gemm_choice, "fp16_gemm_chosen", lambda: None)
+    assert gemm_choice.int16_attention_chosen() is False  # dtype="float32", or AMX's bfloat16
+    monkeypatch.setattr(gemm_choice, "fp16_gemm_chosen", lambda: "i16")
+    assert gemm_choice.int16_attention_chosen() is vnni
+    monkeypatch.setenv("KEEL_I16_ATTENTION", "0")
+    assert gemm_choice.int16_attention_chosen() is False
+    monkeypatch.setattr(gemm_choice, "fp16_gemm_chosen", lambda: None)
+    monkeypatch.setenv("KEEL_I16_ATTENTION", "1")
+    assert gemm_choice.int16_attention_chosen() is vnni
+    monkeypatch.setenv("KEEL_I16_ATTENTION", "yes")
+    with pytest.raises(ValueError, match="KEEL_I16_ATTENTION"):
+        gemm_choice.int16_attention_chosen()

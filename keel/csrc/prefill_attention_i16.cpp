@@ -26,7 +26,9 @@
 // of its dimension in the block (bfloat16 K and V, as dtype="auto" keeps them in its cache,
 // have 8 bits against each value), the weights 15 bits (fewer where many share a block's
 // weight: then each counts less). benchmarks/prefill_attention_i16.py measures the kernel on
-// the default model's own queries, keys and values against float64.
+// the default model's own queries, keys and values against float64. A NaN or an infinity
+// in a query or a key makes NaN the outputs of the rows that see it, as float32 arithmetic
+// does; in a value, its dimension's outputs over its block of keys.
 //
 // Layouts, made once per call: K as [Hkv][S / 16][D / 2][16 keys][2] int16 (a 64-byte row
 // holds one pair of dimensions of 16 keys; a query's pair is one 32-bit broadcast, and one
@@ -189,11 +191,14 @@ Packed pack(const at::Tensor& key, const at::Tensor& value) {
           mx = _mm512_max_ps(mx, a);
           l1 = _mm512_add_ps(l1, a);
         }
-        const float amax = _mm512_reduce_max_ps(mx);
+        const float amax = _mm512_reduce_max_ps(mx), sum = _mm512_reduce_add_ps(l1);
+        if (!std::isfinite(sum)) {  // a NaN or an infinity: every score with this key is NaN
+          pk.ks[hk * s_pad + j] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
         if (!(amax > 0.f)) continue;  // a key of zeros
         // Rounding adds at most 1/2 a value to the sum of |int16|: D / 2 of room.
-        const float step = std::min(kQ / amax, static_cast<float>(kL1Max - D / 2 - 1) /
-                                                   _mm512_reduce_add_ps(l1));
+        const float step = std::min(kQ / amax, static_cast<float>(kL1Max - D / 2 - 1) / sum);
         pk.ks[hk * s_pad + j] = 1.f / step;
         const __m512 inv = _mm512_set1_ps(step);
         for (int64_t d = 0; d < D; d += 16)
@@ -208,12 +213,20 @@ Packed pack(const at::Tensor& key, const at::Tensor& value) {
       int16_t* vd = pk.v.data() + hk * s_pad * D;
       for (int64_t d = 0; d < D; d += 16) {
         __m512 mx = _mm512_setzero_ps();
-        for (int64_t j = j0; j < j1; ++j)
-          mx = _mm512_max_ps(mx, _mm512_abs_ps(reinterpret_cast<__m512>(
-                                     keel::load16(v_ptr + j * v_stride + hk * D + d))));
-        const __mmask16 some = _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ);
+        __mmask16 bad = 0;  // dimensions with a NaN or an infinity in the block
+        for (int64_t j = j0; j < j1; ++j) {
+          const __m512 x =
+              reinterpret_cast<__m512>(keel::load16(v_ptr + j * v_stride + hk * D + d));
+          bad |= _mm512_fpclass_ps_mask(x, 0x99);  // quiet NaN, +inf, -inf, signalling NaN
+          mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
+        }
+        const __mmask16 some = _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ) & ~bad;
         const __m512 inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(kV), mx);
-        _mm512_storeu_ps(vs + d, _mm512_maskz_div_ps(some, mx, _mm512_set1_ps(kV)));
+        // Such a dimension's scale is NaN, so that every output it adds to is NaN: the rows
+        // that see the value, as in float32 arithmetic, and the others over this block too.
+        _mm512_storeu_ps(vs + d, _mm512_mask_blend_ps(
+                                     bad, _mm512_maskz_div_ps(some, mx, _mm512_set1_ps(kV)),
+                                     _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
         for (int64_t j = j0; j < j1; j += 2) {
           const __m512i even = _mm512_cvtps_epi32(_mm512_mul_ps(
               reinterpret_cast<__m512>(keel::load16(v_ptr + j * v_stride + hk * D + d)), inv));
@@ -255,11 +268,18 @@ void attend_item(int64_t D, const T* q_ptr, int64_t q_stride, const Packed& pk, 
     for (int64_t g = 0; g < G; ++g) {
       const T* src = q_ptr + (r0 + r) * q_stride + (hk * G + g) * D;
       const int64_t x = r * G + g;
-      __m512 mx = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16)
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_mul_ps(
-                                   reinterpret_cast<__m512>(keel::load16(src + d)), sc)));
+      __m512 mx = _mm512_setzero_ps(), l1 = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_mul_ps(
+            reinterpret_cast<__m512>(keel::load16(src + d)), sc));
+        mx = _mm512_max_ps(mx, a);
+        l1 = _mm512_add_ps(l1, a);
+      }
       const float amax = _mm512_reduce_max_ps(mx);
+      if (!std::isfinite(_mm512_reduce_add_ps(l1))) {  // a NaN or an infinity: NaN scores
+        w.sq[x] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       if (!(amax > 0.f)) continue;
       w.sq[x] = amax / kQ;
       const __m512 inv = _mm512_set1_ps(kQ / amax);

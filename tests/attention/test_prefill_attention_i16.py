@@ -237,3 +237,27 @@ def test_the_choice_follows_auto_and_the_switch(ops, monkeypatch):
     monkeypatch.setenv("KEEL_I16_ATTENTION", "yes")
     with pytest.raises(ValueError, match="KEEL_I16_ATTENTION"):
         gemm_choice.int16_attention_chosen()
+
+
+def test_a_nan_reaches_the_outputs_it_would_in_float32(ops):
+    """A NaN or an infinity is not quantized away. In a query or a key it makes NaN exactly
+    the outputs that the float32 kernel makes NaN (the rows that see it). In a value, every
+    output the float32 kernel makes NaN is NaN, and so is the value's dimension in every row
+    over its block of 64 keys (its scale is NaN); the other dimensions stay finite."""
+    L, D = 40, 64
+    q, k, v = (t.contiguous() for t in qkv_views(L, L, 4, 2, D, torch.float32, seed=5))
+    q[7, 2, 10] = float("nan")  # row 7, head 2 (group 1)
+    k[5, 0, 3] = float("nan")  # key 5 of group 0: rows 5.. of heads 0 and 1
+    v[20, 1, 9] = float("inf")  # value 20 of group 1, dim 9
+    out, f32 = torch.empty(L, 4 * D), torch.empty(L, 4 * D)
+    if not run_i16(ops, q, k, v, out, D**-0.5, 0):
+        return
+    ops.prefill_attention(q, k, v, f32, D**-0.5, 0)
+    nan, nan_f32 = out.view(L, 4, D).isnan(), f32.view(L, 4, D).isnan()
+    assert torch.equal(nan[:, :2], nan_f32[:, :2])  # group 0: the key's NaN alone
+    assert nan[7, 2].all() and nan[5:, :2].all() and not nan[:5, :2].any()
+    assert (nan | ~nan_f32).all()  # every output float32 makes NaN is NaN here too
+    assert nan[:, 2:, 9].all()  # the infinite value's dimension, its block's every row
+    others = torch.ones(D, dtype=torch.bool)
+    others[9] = False
+    assert not nan[:7, 2:][..., others].any() and not nan[8:, 2:][..., others].any()

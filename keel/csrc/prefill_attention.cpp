@@ -21,7 +21,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <limits>
 #include <vector>
 
@@ -29,7 +28,6 @@ namespace {
 
 using keel::load8;
 using keel::pin;
-using keel::splat8;
 using keel::store8;
 using keel::v8;
 using namespace keel::prefill;
@@ -180,22 +178,13 @@ void prefill_kernel(const at::Tensor& query, const at::Tensor& key, const at::Te
       for (int64_t j = 0; j < S; ++j) dst[j] = static_cast<float>(src[j * k_stride]);
     }
   });
-  const int64_t blocks = (L + kRows - 1) / kRows, items = blocks * Hkv;
-  // Longest first: the last row blocks see the most keys.
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
   const T* q_ptr = query.data_ptr<T>();
   const T* v_ptr = value.data_ptr<T>();
   T* o_ptr = out.data_ptr<T>();
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch w;
-    for (int64_t i = next++; i < items; i = next++) {
-      const int64_t blk = blocks - 1 - i / Hkv, hk = i % Hkv;
-      const int64_t r0 = blk * kRows, nr = std::min(kRows, L - r0);
-      attend_item<T>(D, q_ptr, query.stride(0), kt.data() + hk * D * s_pad, s_pad, v_ptr,
-                        value.stride(0), o_ptr, out.stride(0), hk, G, r0, nr, offset, window,
-                        scale, w);
-    }
+  run_items<Scratch>(L, Hkv, [&](int64_t hk, int64_t r0, int64_t nr, Scratch& w) {
+    attend_item<T>(D, q_ptr, query.stride(0), kt.data() + hk * D * s_pad, s_pad, v_ptr,
+                   value.stride(0), o_ptr, out.stride(0), hk, G, r0, nr, offset, window, scale,
+                   w);
   });
 }
 

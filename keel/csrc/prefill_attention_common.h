@@ -6,7 +6,10 @@
 
 #include "vec.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 
@@ -107,6 +110,24 @@ inline float softmax_row(const float* sx, int64_t n16, int64_t lo, int64_t hi, f
     for (int64_t d = 0; d < D; d += kLanes)
       keel::storev(acc + d, keel::loadv<Vec>(acc + d) * splat<Vec>(alpha));
   return block;
+}
+
+// Every work item (KV head hk, rows r0 .. r0 + nr of the chunk's L, in blocks of kRows) to
+// item(hk, r0, nr, scratch), handed out longest first from an atomic counter (causal items
+// differ in length by up to L: the last row blocks see the most keys), each thread with its
+// own Scratch.
+template <typename Scratch, typename Item>
+void run_items(int64_t L, int64_t Hkv, Item item) {
+  const int64_t blocks = (L + kRows - 1) / kRows, items = blocks * Hkv;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch w;
+    for (int64_t i = next++; i < items; i = next++) {
+      const int64_t blk = blocks - 1 - i / Hkv, hk = i % Hkv, r0 = blk * kRows;
+      item(hk, r0, std::min(kRows, L - r0), w);
+    }
+  });
 }
 
 // The arguments both kernels take (`name` heads the errors): query [L, H, D], key and value

@@ -42,7 +42,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -355,19 +354,11 @@ void prefill_kernel(const at::Tensor& query, const at::Tensor& key, const at::Te
   const int64_t S = key.size(0), Hkv = key.size(1);
   const int64_t G = H / Hkv, offset = S - L;
   const Packed pk = pack<T>(key, value);
-  const int64_t blocks = (L + kRows - 1) / kRows, items = blocks * Hkv;
-  std::atomic<int64_t> next{0};  // longest first: the last row blocks see the most keys
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
   const T* q_ptr = query.data_ptr<T>();
   T* o_ptr = out.data_ptr<T>();
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch w;
-    for (int64_t i = next++; i < items; i = next++) {
-      const int64_t blk = blocks - 1 - i / Hkv, hk = i % Hkv;
-      const int64_t r0 = blk * kRows, nr = std::min(kRows, L - r0);
-      attend_item<T>(D, q_ptr, query.stride(0), pk, o_ptr, out.stride(0), hk, G, r0, nr, offset,
-                     window, scale, w);
-    }
+  run_items<Scratch>(L, Hkv, [&](int64_t hk, int64_t r0, int64_t nr, Scratch& w) {
+    attend_item<T>(D, q_ptr, query.stride(0), pk, o_ptr, out.stride(0), hk, G, r0, nr, offset,
+                   window, scale, w);
   });
 }
 

@@ -78,14 +78,21 @@ def test_bad_arguments_raise(ops, bad, message):
 
 # keel/csrc/prefill_attention_amx.cpp: the same attention for bfloat16 on AMX tiles. Where the
 # build or CPU has no tiles, the op says so and raises (each test checks that instead).
+def run_where_available(ops, name: str, missing: str, *args) -> bool:
+    """keel's op `name` on args, where `name`_available() says this build and CPU run it; else
+    False, after checking that the op raises an error matching `missing`."""
+    op = getattr(ops, name)
+    if not getattr(ops, f"{name}_available")():
+        with pytest.raises(RuntimeError, match=missing):
+            op(*args)
+        return False
+    op(*args)
+    return True
+
+
 def run_amx(ops, *args) -> bool:
     """The AMX op on args; False (after checking its error) where there are no tiles."""
-    if not ops.prefill_attention_amx_available():
-        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
-            ops.prefill_attention_amx(*args)
-        return False
-    ops.prefill_attention_amx(*args)
-    return True
+    return run_where_available(ops, "prefill_attention_amx", "no AMX-BF16 tiles", *args)
 
 AMX_CASES = [
     (1, 1, 9, 3, 64, 0),

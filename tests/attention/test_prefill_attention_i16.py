@@ -13,7 +13,7 @@ import torch
 
 from keel.cpu_ops import get_cpu_ops
 from tests.attention.test_paged_attention import dense_reference
-from tests.attention.test_prefill_attention import qkv_views
+from tests.attention.test_prefill_attention import qkv_views, run_where_available
 
 K_Q = 11585  # a query vector's largest |int16|
 L1_MAX = (2**31 - 1) // K_Q  # the largest sum of a key's |int16| values (185,367)
@@ -30,12 +30,7 @@ def ops():
 
 def run_i16(ops, *args) -> bool:
     """The int16 op on args; False (after checking its error) where the build has no VNNI."""
-    if not ops.prefill_attention_i16_available():
-        with pytest.raises(RuntimeError, match="needs AVX512-VNNI"):
-            ops.prefill_attention_i16(*args)
-        return False
-    ops.prefill_attention_i16(*args)
-    return True
+    return run_where_available(ops, "prefill_attention_i16", "needs AVX512-VNNI", *args)
 
 
 CASES = [

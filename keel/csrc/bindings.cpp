@@ -228,6 +228,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T (+ bias) on int16 dot products, float32 in and out (silu_mul as fp16_gemm's)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"), pybind11::arg("n"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("silu_mul") = false);
+  m.def("i16_gemm_argmax", &i16_gemm_argmax,
+        "each row's argmax over columns [0, n_valid) of i16_gemm's output, the output not "
+        "written", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"),
+        pybind11::arg("n"), pybind11::arg("n_valid"), pybind11::arg("bias") = pybind11::none());
   m.def("i16_gemm_available", &i16_gemm_available, "built with AVX512-VNNI");
   // The classes are module-local, so that two builds of these kernels (each its own module
   // name) load side by side in one process: benchmarks/kernel_ab.py times one against the

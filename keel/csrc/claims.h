@@ -80,17 +80,25 @@ void on_threads(int64_t threads, const F& f) {
 // item's tiles are as few as kMaxRows allows and as even as can be (64 rows of 10-row tiles:
 // 10 + 6 x 9, not 6 x 10 + 4). tile(p, np, r0, rows, pf, pf_end) runs rows r0 .. r0 + rows
 // against the np (up to kGroup) panels from p, prefetching the lines pf .. pf_end; `weights`
-// is the first panel, each `panel_bytes` long.
-template <int64_t kBlockRows, int64_t kMaxRows, int64_t kGroup = 2, typename Tile>
+// is the first panel, each `panel_bytes` long. Each thread calls begin() before its first item
+// and end() after its last (i16_gemm_argmax's lanes).
+struct NoHook {
+  void operator()() const {}
+};
+template <int64_t kBlockRows, int64_t kMaxRows, int64_t kGroup = 2, typename Tile,
+          typename Begin = NoHook, typename End = NoHook>
 __attribute__((always_inline)) inline void run_panel_groups(int64_t m, int64_t panels,
                                                            const char* weights,
-                                                           int64_t panel_bytes, const Tile& tile) {
+                                                           int64_t panel_bytes, const Tile& tile,
+                                                           const Begin& begin = Begin{},
+                                                           const End& end_hook = End{}) {
   const int64_t groups = (panels + kGroup - 1) / kGroup;
   const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
   const int64_t items = blocks * groups;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
   Claims claims(items, threads, groups);
   on_threads(threads, [&] {
+    begin();
     int64_t end = 0, item = claims.claim(end);
     while (item < items) {
       const int64_t m0 = item / groups * kBlockRows, mb = std::min(kBlockRows, m - m0);
@@ -116,6 +124,7 @@ __attribute__((always_inline)) inline void run_panel_groups(int64_t m, int64_t p
       item = next;
       end = next_end;
     }
+    end_hook();
   });
 }
 

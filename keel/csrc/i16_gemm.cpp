@@ -40,6 +40,7 @@
 // of kWideRows rows or more) within a block, and each tile prefetches a share of the next
 // item's panels into L2, as fp16_gemm's and gemm.cpp's do.
 #include "ops.h"
+#include "argmax_lanes.h"
 #include "claims.h"
 #include "silu.h"
 
@@ -227,12 +228,17 @@ __attribute__((noinline)) void block_dot(const int16_t* xq, int64_t ldx, const f
 // `blocks` * 16 each): out[r][j] = the sum over blocks of (int32 sum) * sx * sw, + bias[j], for
 // the first `cols` of the P * 16 columns (row stride ldo); with Silu (P even: 16 gate columns,
 // then their 16 up columns, for each pair of panels) out[r][j] = silu(gate) * up for 16 columns
-// a pair.
+// a pair. With `argmax` (i16_gemm_argmax), out[r][j] goes to the thread's argmax lanes as row
+// argmax->row + r, column argmax->col + j instead of to `out`.
+struct TileArgmax {
+  int64_t row, col, n_valid;
+};
 template <int R, int P, bool Silu = false>
 __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float* sx,
                                     int64_t blocks, const int16_t* w, const float* s,
                                     int64_t pairs, const float* bias, int64_t cols, float* out,
-                                    int64_t ldo, const char* pf, const char* pf_end) {
+                                    int64_t ldo, const char* pf, const char* pf_end,
+                                    const TileArgmax* argmax) {
   alignas(64) float f[R][P][kCols];  // the float32 sums, between blocks (the first block's set)
   const bool two = (pf_end - pf + 63) / 64 * 2 > pairs;
   const int64_t pstride = pairs * 2 * kCols, sstride = blocks * kCols;
@@ -243,8 +249,9 @@ __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float*
   // 1.20-1.26x faster, o 1.15-1.18x, [gate; up] + SiLU 1.10-1.14x, down 1.04-1.08x, at 64 rows
   // from memory 1.01-1.04x (BENCHMARKS.md, fifty-third round; gemm.cpp's tile does the same).
   constexpr int kOutPanels = Silu ? P / 2 : P;
-  const int64_t out_lines = R * kOutPanels, blks = (pairs + kPairs - 1) / kPairs;
-  const int64_t per_blk = (out_lines + blks - 1) / blks;
+  const int64_t out_lines = argmax != nullptr ? 0 : R * kOutPanels;
+  const int64_t blks = (pairs + kPairs - 1) / kPairs;
+  const int64_t per_blk = blks > 0 ? (out_lines + blks - 1) / blks : 0;
   for (int64_t blk = 0, kb = 0; kb < pairs; ++blk, kb += kPairs) {
     for (int64_t j = blk * per_blk; j < std::min(out_lines, (blk + 1) * per_blk); ++j) {
       const int64_t pp = j % kOutPanels;
@@ -275,6 +282,13 @@ __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float*
     const __mmask16 mask = static_cast<__mmask16>((1u << c) - 1);
     const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + pp * kCols)
                                      : _mm512_setzero_ps();
+    if (argmax != nullptr) {  // the values the output would hold (lanes past n_valid skipped)
+      keel::ArgmaxLanes& lanes = keel::thread_argmax_lanes();
+      for (int r = 0; r < R; ++r)
+        lanes.update(argmax->row + r, argmax->col + pp * kCols,
+                     _mm512_add_ps(_mm512_load_ps(f[r][pp]), b), argmax->n_valid);
+      continue;
+    }
     for (int r = 0; r < R; ++r)
       _mm512_mask_storeu_ps(out + r * ldo + pp * kCols, mask,
                             _mm512_add_ps(_mm512_load_ps(f[r][pp]), b));
@@ -284,20 +298,23 @@ __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float*
 template <int P, bool Silu, int MaxR>
 void tile_rows(int rows, const int16_t* xq, int64_t ldx, const float* sx, int64_t blocks,
                const int16_t* w, const float* s, int64_t pairs, const float* bias, int64_t cols,
-               float* out, int64_t ldo, const char* pf, const char* pf_end) {
+               float* out, int64_t ldo, const char* pf, const char* pf_end,
+               const TileArgmax* argmax) {
   // (run_panel_groups splits rows into tiles of at most MaxR: a larger one would be skipped)
   TORCH_CHECK(rows >= 1 && rows <= MaxR, "i16_gemm: a tile of ", rows, " rows");
   switch (rows) {
 #define KEEL_I16_TILE(R)                                                                      \
   case R:                                                                                     \
     if constexpr (R <= MaxR)                                                                  \
-      tile<R, P, Silu>(xq, ldx, sx, blocks, w, s, pairs, bias, cols, out, ldo, pf, pf_end);   \
+      tile<R, P, Silu>(xq, ldx, sx, blocks, w, s, pairs, bias, cols, out, ldo, pf, pf_end,    \
+                       argmax);                                                               \
     break;
     KEEL_I16_TILE(10) KEEL_I16_TILE(9) KEEL_I16_TILE(8) KEEL_I16_TILE(7)
     KEEL_I16_TILE(6) KEEL_I16_TILE(5) KEEL_I16_TILE(4) KEEL_I16_TILE(3) KEEL_I16_TILE(2)
 #undef KEEL_I16_TILE
     default:
-      tile<1, P, Silu>(xq, ldx, sx, blocks, w, s, pairs, bias, cols, out, ldo, pf, pf_end);
+      tile<1, P, Silu>(xq, ldx, sx, blocks, w, s, pairs, bias, cols, out, ldo, pf, pf_end,
+                       argmax);
       break;
   }
 }
@@ -307,6 +324,31 @@ void tile_rows(int rows, const int16_t* xq, int64_t ldx, const float* sx, int64_
 // A block with a NaN or an infinity gets a NaN scale, so that every output it adds to is NaN,
 // as float32 arithmetic would make it (its int16 values are then of no account).
 inline float quantize_block16(const float* v, int64_t n, int16_t* q) {
+  if (n == kBlock) {  // a whole block, in registers: its 8 vectors' maxima as a tree
+    __m512 x[8];
+    __mmask16 bad = 0;
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      x[i] = _mm512_loadu_ps(v + 16 * i);
+      bad |= _mm512_fpclass_ps_mask(x[i], 0x99);  // quiet NaN, +inf, -inf, signalling NaN
+    }
+    const __m512 m01 = _mm512_max_ps(_mm512_abs_ps(x[0]), _mm512_abs_ps(x[1]));
+    const __m512 m23 = _mm512_max_ps(_mm512_abs_ps(x[2]), _mm512_abs_ps(x[3]));
+    const __m512 m45 = _mm512_max_ps(_mm512_abs_ps(x[4]), _mm512_abs_ps(x[5]));
+    const __m512 m67 = _mm512_max_ps(_mm512_abs_ps(x[6]), _mm512_abs_ps(x[7]));
+    const float amax =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m01, m23), _mm512_max_ps(m45, m67)));
+    if (bad || !(amax > 0.0f)) {
+      std::memset(q, 0, n * sizeof(int16_t));
+      return bad ? std::nanf("") : 0.0f;
+    }
+    const __m512 inv = _mm512_set1_ps(kQ / amax);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i),
+                          _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x[i], inv))));
+    return amax / kQ;
+  }
   __m512 vmax = _mm512_setzero_ps();
   __mmask16 bad = 0;
   for (int64_t i = 0; i < n; i += 16) {
@@ -334,11 +376,12 @@ inline float quantize_block16(const float* v, int64_t n, int16_t* q) {
 }
 
 // Every (block of kBlockRows rows, group of G panels) item (claims.h run_panel_groups), each
-// block of rows in tiles of up to MaxR rows.
+// block of rows in tiles of up to MaxR rows; with `sink`, each row's argmax merged into it
+// instead of the output written (o unused).
 template <int64_t G, int MaxR>
 void run_groups(int64_t m, int64_t n, int64_t pairs, int64_t blocks, const int16_t* xq,
                 const float* sx, const int16_t* w, const float* ws, const float* b,
-                bool silu_mul, float* o, int64_t ldo) {
+                bool silu_mul, float* o, int64_t ldo, keel::ArgmaxSink* sink = nullptr) {
   const int64_t panels = (n + kCols - 1) / kCols;
   const int64_t panel_elems = pairs * 2 * kCols, panel_scales = blocks * kCols;
   keel::run_panel_groups<kBlockRows, MaxR, G>(
@@ -350,10 +393,12 @@ void run_groups(int64_t m, int64_t n, int64_t pairs, int64_t blocks, const int16
         const float* bc = b != nullptr ? b + c0 : nullptr;
         const int16_t* xr = xq + r0 * 2 * pairs;
         const float* sr = sx + r0 * blocks;
-        float* oc = o + (silu_mul ? p / 2 * kCols : c0) + r0 * ldo;
+        float* oc = sink != nullptr ? nullptr : o + (silu_mul ? p / 2 * kCols : c0) + r0 * ldo;
+        const TileArgmax argmax{r0, c0, sink != nullptr ? sink->n_valid : 0};
         auto run = [&](auto pc, auto silu) {
           tile_rows<decltype(pc)::value, decltype(silu)::value, MaxR>(
-              rows, xr, pairs, sr, blocks, wp, sp, pairs, bc, cols, oc, ldo, pf0, pf1);
+              rows, xr, pairs, sr, blocks, wp, sp, pairs, bc, cols, oc, ldo, pf0, pf1,
+              sink != nullptr ? &argmax : nullptr);
         };
         using Plain = std::false_type;
         using Silu = std::true_type;
@@ -371,39 +416,48 @@ void run_groups(int64_t m, int64_t n, int64_t pairs, int64_t blocks, const int16
         } else {
           run(std::integral_constant<int, 1>{}, Plain{});
         }
+      },
+      [&] {
+        if (sink != nullptr) keel::thread_argmax_lanes().reset(m);
+      },
+      [&] {
+        if (sink != nullptr) keel::thread_argmax_lanes().merge(m, *sink);
       });
 }
 
 }  // namespace
 
-at::Tensor i16_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t n,
-                    std::optional<at::Tensor> bias, bool silu_mul) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "i16_gemm: x must be a float32 [M, K] CPU tensor");
+namespace {
+
+// x's rows in int16 with their blocks' scales (i16_gemm's and i16_gemm_argmax's checks first),
+// in buffers kept by the calling thread from one call to the next (a decode step makes ~4
+// calls a layer).
+struct QuantizedX {
+  int64_t m, k, pairs, blocks;
+  const int16_t* xq;
+  const float* sx;
+};
+
+QuantizedX quantize_x(const char* name, const at::Tensor& x, const at::Tensor& packed,
+                      const at::Tensor& scales, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), name,
+              ": x must be a float32 [M, K] CPU tensor");
   const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
   const int64_t panels = (n + kCols - 1) / kCols, blocks = (pairs + kPairs - 1) / kPairs;
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kShort && packed.is_contiguous() &&
                   packed.size(0) == panels && packed.size(1) == pairs &&
                   packed.size(2) == 2 * kCols,
-              "i16_gemm: packed must be i16_gemm_pack's [ceil(N/16), ceil(K/2), 32] for N = ",
-              n, " and K = x.size(1) = ", k);
+              name, ": packed must be i16_gemm_pack's [ceil(N/16), ceil(K/2), 32] for N = ", n,
+              " and K = x.size(1) = ", k);
   TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.size(0) == panels && scales.size(1) == blocks &&
                   scales.size(2) == kCols,
-              "i16_gemm: scales must be i16_gemm_pack's [ceil(N/16), blocks, 16]");
-  TORCH_CHECK(!silu_mul || n % (2 * kCols) == 0,
-              "i16_gemm: silu_mul needs whole pairs of [16 gate | 16 up] columns");
-  const float* b = float32_bias(bias, n, "i16_gemm");
-  const at::Tensor xc = x.contiguous();
-  const int64_t ldo = silu_mul ? n / 2 : n;
-  at::Tensor out = at::empty({m, ldo}, xc.options());
-  if (m == 0 || n == 0) return out;
-  // x in int16 with its blocks' scales, in buffers kept by the calling thread from one call to
-  // the next (a decode step makes ~4 calls a layer).
+              name, ": scales must be i16_gemm_pack's [ceil(N/16), blocks, 16]");
   thread_local std::vector<int16_t> xq_buffer;
   thread_local std::vector<float> sx_buffer;
   if (static_cast<int64_t>(xq_buffer.size()) < m * 2 * pairs) xq_buffer.resize(m * 2 * pairs);
   if (static_cast<int64_t>(sx_buffer.size()) < m * blocks) sx_buffer.resize(m * blocks);
+  const at::Tensor xc = x.contiguous();
   const float* xs = xc.data_ptr<float>();
   int16_t* xq = xq_buffer.data();
   float* sx = sx_buffer.data();
@@ -418,13 +472,52 @@ at::Tensor i16_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t 
       if (k % 2) dst[k] = 0;  // an odd K's last pair: its second value is nothing
     }
   });
+  return {m, k, pairs, blocks, xq, sx};
+}
+
+// Every item of the pass (groups of 4 panels from kWideRows rows on, else pairs).
+void run_pass(const QuantizedX& q, const at::Tensor& packed, const at::Tensor& scales,
+              int64_t n, const float* b, bool silu_mul, float* o, int64_t ldo,
+              keel::ArgmaxSink* sink) {
   const int16_t* w = packed.data_ptr<int16_t>();
   const float* ws = scales.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  if (m >= kWideRows)
-    run_groups<4, 6>(m, n, pairs, blocks, xq, sx, w, ws, b, silu_mul, o, ldo);
+  if (q.m >= kWideRows)
+    run_groups<4, 6>(q.m, n, q.pairs, q.blocks, q.xq, q.sx, w, ws, b, silu_mul, o, ldo, sink);
   else
-    run_groups<2, 10>(m, n, pairs, blocks, xq, sx, w, ws, b, silu_mul, o, ldo);
+    run_groups<2, 10>(q.m, n, q.pairs, q.blocks, q.xq, q.sx, w, ws, b, silu_mul, o, ldo, sink);
+}
+
+}  // namespace
+
+at::Tensor i16_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t n,
+                    std::optional<at::Tensor> bias, bool silu_mul) {
+  TORCH_CHECK(!silu_mul || n % (2 * kCols) == 0,
+              "i16_gemm: silu_mul needs whole pairs of [16 gate | 16 up] columns");
+  const float* b = float32_bias(bias, n, "i16_gemm");
+  const QuantizedX q = quantize_x("i16_gemm", x, packed, scales, n);
+  const int64_t ldo = silu_mul ? n / 2 : n;
+  at::Tensor out = at::empty({q.m, ldo}, x.options());
+  if (q.m == 0 || n == 0) return out;
+  run_pass(q, packed, scales, n, b, silu_mul, out.data_ptr<float>(), ldo, nullptr);
+  return out;
+}
+
+// Greedy sampling fused into the LM head: each row's argmax over columns [0, n_valid) of
+// i16_gemm(x, packed, scales, n, bias)'s output (the same float32 values, compared as torch's
+// argmax compares them: argmax_lanes.h), without writing the [M, n] output.
+at::Tensor i16_gemm_argmax(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t n,
+                           int64_t n_valid, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(n_valid > 0 && n_valid <= n, "i16_gemm_argmax: 0 < n_valid <= N needed");
+  const float* b = float32_bias(bias, n, "i16_gemm_argmax");
+  const QuantizedX q = quantize_x("i16_gemm_argmax", x, packed, scales, n);
+  at::Tensor out = at::empty({q.m}, x.options().dtype(at::kLong));
+  if (q.m == 0) return out;
+  keel::ArgmaxSink sink;
+  sink.n_valid = n_valid;
+  sink.value.assign(q.m, 0.f);
+  sink.index.assign(q.m, -1);
+  run_pass(q, packed, scales, n, b, false, nullptr, 0, &sink);
+  std::memcpy(out.data_ptr<int64_t>(), sink.index.data(), q.m * sizeof(int64_t));
   return out;
 }
 
@@ -434,6 +527,10 @@ bool i16_gemm_available() { return false; }
 at::Tensor i16_gemm(at::Tensor, at::Tensor, at::Tensor, int64_t, std::optional<at::Tensor>,
                     bool) {
   TORCH_CHECK(false, "i16_gemm needs AVX512-VNNI (i16_gemm_available() is false here)");
+}
+at::Tensor i16_gemm_argmax(at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
+                           std::optional<at::Tensor>) {
+  TORCH_CHECK(false, "i16_gemm_argmax needs AVX512-VNNI (i16_gemm_available() is false here)");
 }
 
 #endif

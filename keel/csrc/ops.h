@@ -110,4 +110,9 @@ bool fp16_gemm_available();
 std::tuple<at::Tensor, at::Tensor> i16_gemm_pack(at::Tensor weight);
 at::Tensor i16_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t n,
                     std::optional<at::Tensor> bias, bool silu_mul = false);
+// Each row's argmax over columns [0, n_valid) of i16_gemm(x, packed, scales, n, bias)'s
+// output, as torch's argmax of it gives it, without writing the output (greedy sampling in the
+// LM head, as amx_gemm_argmax).
+at::Tensor i16_gemm_argmax(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t n,
+                           int64_t n_valid, std::optional<at::Tensor> bias);
 bool i16_gemm_available();

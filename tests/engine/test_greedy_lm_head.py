@@ -1,7 +1,7 @@
-"""Greedy sampling in the LM head (ParallelLMHead.greedy_token_ids, amx_gemm_argmax): in a step
-whose every row takes its argmax (greedy, no logits processors, no logprobs, no drafts, no
-grammar), a bfloat16 head on keel's AMX GEMM takes each row's token in its epilogue without
-writing the logits. The tokens must be the sampler's argmax of those logits
+"""Greedy sampling in the LM head (ParallelLMHead.greedy_token_ids, amx_gemm_argmax,
+i16_gemm_argmax): in a step whose every row takes its argmax (greedy, no logits processors, no
+logprobs, no drafts, no grammar), a bfloat16 head on keel's AMX GEMM, or dtype="auto"'s head on
+i16_gemm, takes each row's token in its epilogue without writing the logits. The tokens must be the sampler's argmax of those logits
 (KEEL_GREEDY_LM_HEAD=0), and a step with anything else in its batch must keep the logits."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 REAL_GREEDY, REAL_LOGITS = ParallelLMHead.greedy_token_ids, ParallelLMHead.compute_logits
 
 
-def generate(folder, monkeypatch, on: bool, params):
+def generate(folder, monkeypatch, on: bool, params, dtype="bfloat16"):
     """(token ids per request, LM-head argmax calls that took the tokens, logits calls)."""
     monkeypatch.setenv("KEEL_GREEDY_LM_HEAD", "1" if on else "0")
     # Decode-sized bfloat16 passes on keel's AMX GEMM where the CPU has it (the engine measures
@@ -42,7 +42,7 @@ def generate(folder, monkeypatch, on: bool, params):
 
     monkeypatch.setattr(ParallelLMHead, "greedy_token_ids", greedy)
     monkeypatch.setattr(ParallelLMHead, "compute_logits", logits)
-    llm = LLM(folder, dtype="bfloat16", kv_cache_memory_gib=0.0625)
+    llm = LLM(folder, dtype=dtype, kv_cache_memory_gib=0.0625)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     del llm
     return [list(o.outputs[0].token_ids) for o in outs], calls
@@ -60,6 +60,26 @@ def test_lm_head_argmax_gives_the_samplers_tokens(arch, hf_model_dir, monkeypatc
         # Every step: the prompts' pass and 11 decode passes, no logits at all.
         assert on_calls["head"] >= 12 and on_calls["logits"] == 0, on_calls
     else:  # no AMX GEMM, no copy for the head: the logits as before
+        assert on_calls == off_calls
+
+
+def test_auto_on_int16_products_takes_the_tokens_in_the_head(hf_model_dir, monkeypatch):
+    """dtype="auto" with its GEMMs on i16_gemm (chosen here without timing, AMX hidden): every
+    greedy step takes its tokens from i16_gemm_argmax, the tokens the sampler takes from the
+    logits."""
+    from keel import dtypes
+    from keel.model_executor.layers import gemm_choice
+
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
+    monkeypatch.setattr(gemm_choice, "_fp16_gemm_faster", True)
+    folder = hf_model_dir("llama")
+    on, on_calls = generate(folder, monkeypatch, True, GREEDY, dtype="auto")
+    off, off_calls = generate(folder, monkeypatch, False, GREEDY, dtype="auto")
+    assert on == off
+    assert off_calls["head"] == 0 and off_calls["logits"] >= 12
+    if gemm_choice.low_precision_kind() == "i16":
+        assert on_calls["head"] >= 12 and on_calls["logits"] == 0, on_calls
+    else:  # fp16_gemm (no argmax epilogue) or no low-precision GEMM: the logits as before
         assert on_calls == off_calls
 
 

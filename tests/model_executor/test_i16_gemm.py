@@ -238,3 +238,46 @@ def test_rows_past_a_block_and_a_reused_buffer(ops):
     ops.i16_gemm(stale, *ops.i16_gemm_pack(torch.ones(80, 578)), 80)
     out = ops.i16_gemm(x[:4].clone(), packed, scales, 80)
     assert torch.equal(out, big[:4])
+
+
+@pytest.mark.parametrize("m,n,n_valid", [(1, 16, 16), (7, 100, 90), (64, 1000, 1000),
+                                         (300, 520, 517)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_argmax_is_torchs_argmax_of_the_output(ops, m, n, n_valid, with_bias):
+    """i16_gemm_argmax (greedy sampling in the LM head): each row's index of its largest value
+    among columns [0, n_valid) of i16_gemm's output, as torch.argmax gives it, in pairs of panels
+    (a decode pass) and groups of 4 (300 rows)."""
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, 130, generator=g)
+    w = torch.randn(n, 130, generator=g) * 0.05
+    b = torch.randn(n, generator=g) if with_bias else None
+    packed, scales = ops.i16_gemm_pack(w)
+    if not ops.i16_gemm_available():
+        with pytest.raises(RuntimeError, match="needs AVX512-VNNI"):
+            ops.i16_gemm_argmax(x, packed, scales, n, n_valid, b)
+        return
+    want = ops.i16_gemm(x, packed, scales, n, b)[:, :n_valid].argmax(-1)
+    assert torch.equal(ops.i16_gemm_argmax(x, packed, scales, n, n_valid, b), want)
+
+
+def test_argmax_ties_nans_and_arguments(ops):
+    """Equal values give the first column, whichever thread saw it; a NaN row gives its first
+    NaN, as torch.argmax; n_valid out of (0, N] is refused."""
+    if not ops.i16_gemm_available():
+        return
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(40, 64, generator=g)
+    w = torch.cat([w, w, w, w])  # columns c, c + 40, c + 80 and c + 120 are equal
+    x = torch.randn(70, 64, generator=g)
+    x[5, 3] = float("nan")
+    packed, scales = ops.i16_gemm_pack(w)
+    out = ops.i16_gemm(x, packed, scales, 160)
+    got = ops.i16_gemm_argmax(x, packed, scales, 160, 160)
+    assert torch.equal(got, out.argmax(-1))
+    assert got[5] == 0 and (got < 40).all()
+    assert torch.equal(ops.i16_gemm_argmax(x, packed, scales, 160, 70),
+                       out[:, :70].argmax(-1))
+    for bad in (0, 161):
+        with pytest.raises(RuntimeError, match="0 < n_valid <= N"):
+            ops.i16_gemm_argmax(x, packed, scales, 160, bad)
+    assert ops.i16_gemm_argmax(x[:0], packed, scales, 160, 160).shape == (0,)

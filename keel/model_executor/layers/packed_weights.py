@@ -182,7 +182,11 @@ def cpu_gemm(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
 def cpu_gemm_argmax(module: nn.Module, x: torch.Tensor, n_valid: int) -> torch.Tensor | None:
     """Each row's argmax over columns [0, n_valid) of cpu_gemm(module, x, None), without its
     output, where cpu_gemm would take keel's AMX GEMM (amx_gemm_argmax: the same bfloat16
-    values compared as torch's argmax compares them, so the same indices); None elsewhere."""
+    values compared as torch's argmax compares them, so the same indices) or i16_gemm over a
+    float32 x (i16_gemm_argmax: the same float32 values); None elsewhere."""
+    if module.packed_by == "i16" and x.dim() == 2 and x.dtype == torch.float32:
+        return choice._keel_ops.i16_gemm_argmax(x, module.packed_weight, module.i16_scales,
+                                                module.packed_rows, n_valid)
     if module.packed_by in choice.LOW_PRECISION_KINDS or not _amx_bf16_pass(module, x):
         return None
     return choice._keel_ops.amx_gemm_argmax(x, module.amx_weight, module.packed_rows, n_valid)

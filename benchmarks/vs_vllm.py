@@ -205,18 +205,34 @@ def load_keel(args, prompts: dict) -> tuple[Engine, dict]:
     return engine, {"startup_s": startup, "dtype": dtype, "kv_dtype": kv_dtype, "gemms": gemms}
 
 
+FLOOR_ROUNDS = 4  # pairs of (a block of decode steps, the GEMM floor) measured back to back
+
+
 def decode_step_and_floor(llm, prompts: list[list[int]], long: list[list[int]] | None = None
                           ) -> dict:
     """keel's decode step at len(prompts) requests (median and best of 16 steps once all
     decode), the GEMM floor of that step on this machine, and its memory floor: the bytes
     the step must read (weights in the form the step reads them, and the K/V of every
     request's context) at this machine's read rate. With `long`, the step and its memory
-    floor at those prompts' contexts too."""
-    out = _decode_step(llm, prompts)
+    floor at those prompts' contexts too.
+
+    The step and the floor are also measured in FLOOR_ROUNDS pairs, each a block of 8 decode
+    steps and the floor right after it (`step_floor_ratio`: the median of the pairs' ratios,
+    `step_floor_ratios`: each pair's). Measured minutes apart, the two met different phases of
+    these hosts: the floor alone read 42.4 and 46.9 ms in two calls seconds apart, and the
+    ratio 1.06-1.35x over three calls (BENCHMARKS.md, sixty-fourth round)."""
     model = llm.engine_core.model_executor.driver_worker.model_runner.model
     dtype = llm.engine_core.config.model_config.torch_dtype
     kv_dtype = llm.engine_core.config.cache_config.kv_torch_dtype
-    out.update(gemm_floor(model, len(prompts), dtype))
+    shapes = floor_candidates(model, len(prompts), dtype)
+    out = _decode_step(llm, prompts)
+    out.update(time_floor(shapes))
+    ratios = []
+    for _ in _decode_blocks(llm, prompts, FLOOR_ROUNDS, 8, ratios):
+        floor = time_floor(shapes, reps=10)["gemm_floor_ms"]
+        ratios[-1] = ratios[-1] / floor
+    out["step_floor_ratios"] = ratios
+    out["step_floor_ratio"] = statistics.median(ratios)
     read_gbs = read_rate_gbs()
     out.update(memory_floor(model, prompts, dtype, read_gbs, kv_dtype))
     if long:
@@ -284,30 +300,48 @@ def memory_floor(model, prompts: list[list[int]], dtype, read_gbs: float, kv_dty
 
 def _decode_step(llm, prompts: list[list[int]]) -> dict:
     """The median and best of 16 decode steps once every prompt is prefilled."""
-    from keel import SamplingParams
-
-    core = llm.engine_core
-    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        request, _ = llm.input_processor.process(f"floor-{len(prompts[0])}-{i}",
-                                                 {"prompt_token_ids": p}, sp)
-        core.add_request(request)
-    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1
-                                         for r in core.scheduler.running):
-        core.step()
-    times = []
-    for _ in range(16):
-        t0 = time.perf_counter()
-        core.step()
-        times.append(time.perf_counter() - t0)
-    while core.scheduler.has_requests():
-        core.step()
+    times: list[float] = []
+    for _ in _decode_blocks(llm, prompts, 1, 16, times, every_step=True):
+        pass
     # The floor is a best-of-20; the step's best of 16 is given beside its median, as this
     # machine's speed drifts within a run.
     return {"step_ms": statistics.median(times) * 1e3, "best_step_ms": min(times) * 1e3}
 
 
+def _decode_blocks(llm, prompts: list[list[int]], blocks: int, steps: int, times: list,
+                   every_step: bool = False):
+    """Prefill `prompts`, then `blocks` blocks of `steps` decode steps: after each block,
+    append its median step in ms to `times` (or each step's seconds, with every_step) and
+    yield, so that the caller measures something between blocks; then finish the requests."""
+    from keel import SamplingParams
+
+    core = llm.engine_core
+    sp = SamplingParams(temperature=0, max_tokens=blocks * steps + 4, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        request, _ = llm.input_processor.process(f"floor-{len(prompts[0])}-{blocks}-{i}",
+                                                 {"prompt_token_ids": p}, sp)
+        core.add_request(request)
+    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1
+                                         for r in core.scheduler.running):
+        core.step()
+    for _ in range(blocks):
+        block = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            core.step()
+            block.append(time.perf_counter() - t0)
+        times.extend(block) if every_step else times.append(statistics.median(block) * 1e3)
+        yield
+    while core.scheduler.has_requests():
+        core.step()
+
+
 def gemm_floor(model, rows: int, dtype) -> dict:
+    """floor_candidates timed once (time_floor)."""
+    return time_floor(floor_candidates(model, rows, dtype))
+
+
+def floor_candidates(model, rows: int, dtype) -> list:
     """The step's GEMMs (every linear layer and the LM head at `rows` rows) timed alone at the
     best rate this machine reaches for each shape in a precision the model may be computed in
     without changing its weights: float32 for a float32 model; bfloat16 or float32 (exact
@@ -346,9 +380,9 @@ def gemm_floor(model, rows: int, dtype) -> dict:
     on_i16 = bool(linears) and all(m.packed_by == "i16" for m in linears)
     lower = torch.bfloat16 if bf16_values else dtype  # the other precision it may run in
     precisions = [torch.float32] if lower == torch.float32 else [torch.float32, lower]
-    total_flops, floor_s, per_shape = 0, 0.0, {}
+    out = []
     for (n_out, n_in), count in shapes.items():
-        best = float("inf")
+        fns = []
         for dt in precisions:
             w = torch.randn(n_out, n_in, dtype=dt) * 0.02
             x = torch.randn(rows, n_in, dtype=dt)
@@ -375,16 +409,26 @@ def gemm_floor(model, rows: int, dtype) -> dict:
                     and n_in % 32 == 0 and ops.amx_gemm_available()):
                 tiles = ops.amx_gemm_pack(w.bfloat16())
                 candidates.append(lambda p=tiles, x=x, n=n_out: ops.amx_gemm_f32(x, p, n))
-            for fn in candidates:
+            fns += candidates
+        out.append((f"{n_out}x{n_in}", count, 2 * rows * n_out * n_in * count, fns))
+    return out
+
+
+def time_floor(shapes: list, reps: int = 20) -> dict:
+    """The floor of floor_candidates' shapes: each shape's best time over its candidates, each
+    candidate warmed once and then best of `reps`, times the shape's count."""
+    total_flops, floor_s, per_shape = 0, 0.0, {}
+    for name, count, flops, fns in shapes:
+        best = float("inf")
+        for fn in fns:
+            fn()
+            for _ in range(reps):
+                t0 = time.perf_counter()
                 fn()
-                for _ in range(20):
-                    t0 = time.perf_counter()
-                    fn()
-                    best = min(best, time.perf_counter() - t0)
-        flops = 2 * rows * n_out * n_in * count
+                best = min(best, time.perf_counter() - t0)
         total_flops += flops
         floor_s += best * count
-        per_shape[f"{n_out}x{n_in}"] = {"count": count, "gflops": flops / count / best / 1e9}
+        per_shape[name] = {"count": count, "gflops": flops / count / best / 1e9}
     return {"gemm_floor_ms": floor_s * 1e3, "gemm_gflop": total_flops / 1e9,
             "per_shape": per_shape}
 
@@ -712,10 +756,14 @@ def report(args) -> None:
         res = child.ask(what if what == "floor" else f"{what} {rep}")
         if what == "floor":
             print(f"  round {rep + 1}: {key[0]:5s} {key[1]:9s} decode step "
-                  f"{res['step_ms']:.1f} ms, GEMM floor {res['gemm_floor_ms']:.1f} ms", flush=True)
+                  f"{res['step_ms']:.1f} ms, GEMM floor {res['gemm_floor_ms']:.1f} ms; in "
+                  f"{FLOOR_ROUNDS} back-to-back pairs step / floor "
+                  + " ".join(f"{x:.3f}" for x in res["step_floor_ratios"]), flush=True)
             old = best[key].get("decode")
+            paired = (old or {}).get("paired_ratios", []) + res["step_floor_ratios"]
             if old is None or res["step_ms"] < old["step_ms"]:
                 best[key]["decode"] = res
+            best[key]["decode"]["paired_ratios"] = paired
             return
         print(f"  round {rep + 1}: {key[0]:5s} {key[1]:9s} {what:7s} {res['tok_s']:7.1f} tok/s "
               f"({res['seconds']:.1f} s)", flush=True)
@@ -859,6 +907,11 @@ def print_tables(args, best: dict, rounds: list[dict], same_round: dict) -> None
                   + (f" (best step {d['best_step_ms']:.1f} ms: "
                      f"{d['best_step_ms'] / d['gemm_floor_ms']:.2f}x)" if "best_step_ms" in d
                      else ""))
+            if d.get("paired_ratios"):
+                pr = d["paired_ratios"]
+                print(f"keel {dtype}: step / floor measured back to back, {len(pr)} pairs over "
+                      f"the run: median {statistics.median(pr):.3f}x (pairs "
+                      + ", ".join(f"{x:.3f}" for x in pr) + ")")
             for name, m in (("short", d), ("long", d.get("long"))):
                 if m and "memory_floor_ms" in m:
                     print(f"keel {dtype}: {name} contexts: step {m['step_ms']:.1f} ms (best "

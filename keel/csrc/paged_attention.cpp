@@ -132,102 +132,111 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
     return nx;
   };
 #endif
-  auto run_items = [&](int64_t begin, int64_t end, Scratch& w, std::vector<float>& qf,
-                       std::vector<float>& acc, std::vector<float>& scores) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t gi = item / per_row, hk = item % per_row * hpi;  // group, first kv head
-      const int64_t r = group_first(gi);  // its first query row
-      const Tokens tk = group_tokens(gi);
-      const auto [start, len] = tk.keys();
-      const int64_t n = len - start;
-      if (n <= 0) continue;
-      const int32_t* row = table_row(r);
-      if (fast) {
-#if KEEL_BF16_DOT
-        if constexpr (std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16>) {
-          if (bf16_dot) {
-            const NextItem nx = next_item(item + 1, end);
-            decode_row_bf16(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs,
-                            block_elems, start, len, hk, hk + hpi, G, D,
-                            static_cast<float>(scale), o_ptr + (r * H + hk * G) * D, w, nx);
-            continue;
-          }
-        }
-#endif
-#if KEEL_ATTN512
-        if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || is_i8) &&
-                      (std::is_same_v<TQ, float> || std::is_same_v<TQ, T> || is_i8)) {
-          const NextItem nx = next_item(item + 1, end);
-          decode_row16<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs,
-                              block_elems, start, len, hk, hk + hpi, G, D,
-                              static_cast<float>(scale), o_ptr + (r * H + hk * G) * D, w, nx,
-                              tk, k_scale, v_scale);
-          continue;
-        }
-#endif
-        decode_row<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
-                          start, len, hk, hk + hpi, G, D, static_cast<float>(scale),
-                          o_ptr + (r * H + hk * G) * D, w, tk, k_scale, v_scale);
-        continue;
-      }
-      const T* k_head = k_ptr + hk * bs * D;  // this KV head's run in block 0
-      const T* v_head = v_ptr + hk * bs * D;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = static_cast<float>(q_ptr[r * q_stride + (hk * G + g) * D + d]) * scale;
-
-      // Scores: [G, n]
-      scores.assign(G * n, 0.f);
-      for_each_slot(row, bs, D, block_elems, start, len, [&](int64_t j, int64_t off) {
-        const T* k = k_head + off;
-        const float ks = is_i8 ? k_scale[(k - k_ptr) / D] : 1.f;
-        for (int64_t g = 0; g < G; ++g)
-          scores[g * n + (j - start)] = dot(&qf[g * D], k, D) * ks;
-      });
-      // Softmax per query head (max subtracted for stability).
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = &scores[g * n];
-        const float m = *std::max_element(s, s + n);
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = std::exp(s[j] - m);
-          sum += s[j];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-      }
-      // Weighted sum of values: [G, D]
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_slot(row, bs, D, block_elems, start, len, [&](int64_t j, int64_t off) {
-        const T* v = v_head + off;
-        const float vsc = is_i8 ? v_scale[(v - v_ptr) / D] : 1.f;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + (j - start)] * vsc;
-          float* a = &acc[g * D];
-          int64_t d = 0;
-          for (; d + 16 <= D; d += 16) {
-            const v16 sum = load16(a + d) + p * load16(v + d);
-            std::memcpy(a + d, &sum, sizeof(sum));
-          }
-          for (; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
-        }
-      });
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          o_ptr[(r * H + hk * G + g) * D + d] = static_cast<TQ>(acc[g * D + d]);
-    }
-  };
-  // The threads claim runs of items (claims.h): rows' contexts differ, and so do the cores'
-  // speeds on a shared host.
   const int64_t items = NG * per_row;
   const int64_t threads = std::min<int64_t>(max_threads, items);
   keel::Claims claims(items, threads, 0);
+  // Item `item`; `following` is the item this thread takes next (items: none), whose first
+  // chunk the row kernels prefetch during this one's last.
+  auto run_item = [&](int64_t item, int64_t following, Scratch& w, std::vector<float>& qf,
+                      std::vector<float>& acc, std::vector<float>& scores) {
+    const int64_t gi = item / per_row, hk = item % per_row * hpi;  // group, first kv head
+    const int64_t r = group_first(gi);  // its first query row
+    const Tokens tk = group_tokens(gi);
+    const auto [start, len] = tk.keys();
+    const int64_t n = len - start;
+    if (n <= 0) return;
+    const int32_t* row = table_row(r);
+    if (fast) {
+#if KEEL_BF16_DOT
+      if constexpr (std::is_same_v<T, bf16> && std::is_same_v<TQ, bf16>) {
+        if (bf16_dot) {
+          const NextItem nx = next_item(following, items);
+          decode_row_bf16(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs,
+                          block_elems, start, len, hk, hk + hpi, G, D,
+                          static_cast<float>(scale), o_ptr + (r * H + hk * G) * D, w, nx);
+          return;
+        }
+      }
+#endif
+#if KEEL_ATTN512
+      if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || is_i8) &&
+                    (std::is_same_v<TQ, float> || std::is_same_v<TQ, T> || is_i8)) {
+        const NextItem nx = next_item(following, items);
+        decode_row16<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs,
+                            block_elems, start, len, hk, hk + hpi, G, D,
+                            static_cast<float>(scale), o_ptr + (r * H + hk * G) * D, w, nx,
+                            tk, k_scale, v_scale);
+        return;
+      }
+#endif
+      decode_row<TQ, T>(q_ptr + r * q_stride + hk * G * D, k_ptr, v_ptr, row, bs, block_elems,
+                        start, len, hk, hk + hpi, G, D, static_cast<float>(scale),
+                        o_ptr + (r * H + hk * G) * D, w, tk, k_scale, v_scale);
+      return;
+    }
+    const T* k_head = k_ptr + hk * bs * D;  // this KV head's run in block 0
+    const T* v_head = v_ptr + hk * bs * D;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d)
+        qf[g * D + d] = static_cast<float>(q_ptr[r * q_stride + (hk * G + g) * D + d]) * scale;
+
+    // Scores: [G, n]
+    scores.assign(G * n, 0.f);
+    for_each_slot(row, bs, D, block_elems, start, len, [&](int64_t j, int64_t off) {
+      const T* k = k_head + off;
+      const float ks = is_i8 ? k_scale[(k - k_ptr) / D] : 1.f;
+      for (int64_t g = 0; g < G; ++g)
+        scores[g * n + (j - start)] = dot(&qf[g * D], k, D) * ks;
+    });
+    // Softmax per query head (max subtracted for stability).
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = &scores[g * n];
+      const float m = *std::max_element(s, s + n);
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        s[j] = std::exp(s[j] - m);
+        sum += s[j];
+      }
+      const float inv = 1.f / sum;
+      for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+    }
+    // Weighted sum of values: [G, D]
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for_each_slot(row, bs, D, block_elems, start, len, [&](int64_t j, int64_t off) {
+      const T* v = v_head + off;
+      const float vsc = is_i8 ? v_scale[(v - v_ptr) / D] : 1.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * n + (j - start)] * vsc;
+        float* a = &acc[g * D];
+        int64_t d = 0;
+        for (; d + 16 <= D; d += 16) {
+          const v16 sum = load16(a + d) + p * load16(v + d);
+          std::memcpy(a + d, &sum, sizeof(sum));
+        }
+        for (; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
+      }
+    });
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d)
+        o_ptr[(r * H + hk * G + g) * D + d] = static_cast<TQ>(acc[g * D + d]);
+  };
+  // The threads claim runs of items (claims.h): rows' contexts differ, and so do the cores'
+  // speeds on a shared host. Before the last item of its run a thread claims its next run, so
+  // that the item prefetches the next run's first one (as claims.h run_panel_groups does for a
+  // GEMM's panels). Prefetched only within a run, the first row of each run (~13 of a layer's
+  // 64 at 2 threads) waited on memory: 64 rows of 40-60 keys over 30 layers' bfloat16 caches
+  // ran 1.06x faster this way, of 50-179 keys 1.03x (BENCHMARKS.md, sixty-fourth round).
   keel::on_threads(threads, [&] {
     std::vector<float> qf(G * D), acc(G * D), scores;
     Scratch w;
     int64_t end = 0;
-    for (int64_t i = claims.claim(end); i < items; i = claims.claim(end))
-      run_items(i, end, w, qf, acc, scores);
+    for (int64_t item = claims.claim(end); item < items;) {
+      int64_t following = item + 1, following_end = end;
+      if (following == end) following = claims.claim(following_end);
+      run_item(item, following, w, qf, acc, scores);
+      item = following;
+      end = following_end;
+    }
   });
 }
 

@@ -274,7 +274,8 @@ class ModelRunner(SampleTokensMixin):
         self.discard_request_mask.copy_to_gpu(num_reqs)
 
         self.input_batch.block_table.compute_slot_mapping(
-            num_reqs, query_start_loc, self.positions.gpu[:total_num_scheduled_tokens]
+            num_reqs, query_start_loc, self.positions.gpu[:total_num_scheduled_tokens],
+            req_indices,
         )
 
         if self.spec_decode.has_drafts:

@@ -65,7 +65,7 @@ class BlockTable:
             pos = positions.numpy()
             out_np = self.slot_mapping.np[:num_tokens]
             np.multiply(self.block_table.np[req_indices, pos // self.block_size],
-                        self.block_size, out=out_np)
+                        self.block_size, out=out_np, dtype=np.int64)  # as .long() below
             out_np += pos % self.block_size
             return self.slot_mapping.gpu[:num_tokens]
         qsl = query_start_loc.long()

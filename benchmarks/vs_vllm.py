@@ -330,7 +330,10 @@ def _decode_blocks(llm, prompts: list[list[int]], blocks: int, steps: int, times
             t0 = time.perf_counter()
             core.step()
             block.append(time.perf_counter() - t0)
-        times.extend(block) if every_step else times.append(statistics.median(block) * 1e3)
+        if every_step:
+            times.extend(block)
+        else:
+            times.append(statistics.median(block) * 1e3)
         yield
     while core.scheduler.has_requests():
         core.step()

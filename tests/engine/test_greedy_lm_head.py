@@ -1,8 +1,9 @@
 """Greedy sampling in the LM head (ParallelLMHead.greedy_token_ids, amx_gemm_argmax,
 i16_gemm_argmax): in a step whose every row takes its argmax (greedy, no logits processors, no
 logprobs, no drafts, no grammar), a bfloat16 head on keel's AMX GEMM, or dtype="auto"'s head on
-i16_gemm, takes each row's token in its epilogue without writing the logits. The tokens must be the sampler's argmax of those logits
-(KEEL_GREEDY_LM_HEAD=0), and a step with anything else in its batch must keep the logits."""
+i16_gemm, takes each row's token in its epilogue without writing the logits. The tokens must be
+the sampler's argmax of those logits (KEEL_GREEDY_LM_HEAD=0), and a step with anything else in
+its batch must keep the logits."""
 
 from __future__ import annotations
 

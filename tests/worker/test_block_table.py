@@ -19,7 +19,7 @@ def test_numpy_slot_mapping_equals_the_torch_one():
         table.add_row(rng.choice(1000, size=20, replace=False).tolist(), r)
     # prompt chunks, decode rows and a speculative step's tokens, at positions up to 319
     counts = np.array([1, 37, 1, 5, 64, 1])
-    starts = np.array([300, 0, 15, 47, 128, 319 - 0])
+    starts = np.array([300, 0, 15, 47, 128, 319])
     req = np.repeat(np.arange(num_reqs), counts)
     pos = np.concatenate([s + np.arange(c) for s, c in zip(starts, counts)]).astype(np.int64)
     qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)])).int()

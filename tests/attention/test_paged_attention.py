@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from keel import dtypes
-from keel.attention.backends import torch_paged
+from keel.attention.backends import chunk_kernels, torch_paged
 from keel.attention.backends.torch_paged import (
     build_attention_metadata,
     paged_attention,
@@ -132,14 +132,14 @@ def test_long_chunks_go_one_by_one(monkeypatch, prefill_kernel, window, dtype, t
     prompt, and a chunk after context - while the other requests' tokens stay on the per-row
     kernel, which never sees a long chunk's token."""
     monkeypatch.setattr(torch_paged, "CPU_KERNEL_MAX_QUERY_LEN", 8)
-    monkeypatch.setattr(torch_paged, "_PREFILL_KERNEL", prefill_kernel)
+    monkeypatch.setattr(chunk_kernels, "PREFILL_KERNEL", prefill_kernel)
     # Where the CPU has AMX, bfloat16 chunks go to whichever of keel's kernels and SDPA
     # measures faster (test_long_chunk_kernel_by_measuring); here the prefill kernel is
     # taken, or (amx, where this CPU has the tiles) the AMX kernel for bfloat16.
     real = get_cpu_ops()
     amx = amx and dtype == torch.bfloat16 and real.prefill_attention_amx_available()
     name = "prefill_attention_amx" if amx else "prefill_attention"
-    monkeypatch.setattr(torch_paged, "long_chunk_kernel", lambda *a: name)
+    monkeypatch.setattr(chunk_kernels, "long_chunk_kernel", lambda *a: name)
     seen, chunks = [], []
 
     class Kernel:
@@ -190,9 +190,9 @@ def test_long_chunk_kernel_by_measuring(monkeypatch):
         def prefill_attention_amx(self, *args) -> None:
             self._run("prefill_attention_amx")
 
-    monkeypatch.setattr(torch_paged, "_long_chunk_kernels", {})
+    monkeypatch.setattr(chunk_kernels, "_long_chunk_kernels", {})
     slow, fast = Kernel(0.05), Kernel(0.0)
-    pick = torch_paged.long_chunk_kernel
+    pick = chunk_kernels.long_chunk_kernel
     monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
     assert pick(slow, torch.bfloat16, 9, 3, 64) == "prefill_attention"
     monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: True)
@@ -412,7 +412,7 @@ def test_long_chunks_over_a_bfloat16_cache(monkeypatch, prefill_kernel):
     float32 queries (keel's prefill kernel or SDPA); a whole long prompt attends to its own
     float32 K/V, which differ from the cached ones by their rounding."""
     monkeypatch.setattr(torch_paged, "CPU_KERNEL_MAX_QUERY_LEN", 8)
-    monkeypatch.setattr(torch_paged, "_PREFILL_KERNEL", prefill_kernel)
+    monkeypatch.setattr(chunk_kernels, "PREFILL_KERNEL", prefill_kernel)
     out, ref = run_case([9, 17, 4, 30, 30], [9, 6, 1, 1, 12], 9, 3, 64, torch.float32, None,
                         16, cache_dtype=torch.bfloat16)
     assert (out - ref).abs().max().item() < 2e-2
@@ -594,7 +594,7 @@ def test_long_chunks_over_an_int8_cache(monkeypatch, prefill_kernel):
     queries' dtype; a whole long prompt attends to its own K/V, which differ from the kept ones
     by their quantization."""
     monkeypatch.setattr(torch_paged, "CPU_KERNEL_MAX_QUERY_LEN", 8)
-    monkeypatch.setattr(torch_paged, "_PREFILL_KERNEL", prefill_kernel)
+    monkeypatch.setattr(chunk_kernels, "PREFILL_KERNEL", prefill_kernel)
     out, ref = run_case([9, 17, 4, 30, 30], [9, 6, 1, 1, 12], 9, 3, 64, torch.float32, None,
                         16, cache_dtype=torch.int8)
     assert (out - ref).abs().max().item() < 5e-2

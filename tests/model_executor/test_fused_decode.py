@@ -143,9 +143,9 @@ def test_prompt_passes_are_fused_and_bit_identical(arch, dtype, kv_cache_dtype, 
     their own, long chunks on the prefill kernel over their gathered blocks, the last layer
     only for the sampled rows), bit-identical to the Python layers: GQA, Qwen2's bias,
     Qwen3's q/k norm, Mistral's sliding window, and a bfloat16 cache under float32."""
-    from keel.attention.backends import torch_paged
+    from keel.attention.backends import chunk_kernels
 
-    monkeypatch.setattr(torch_paged, "long_chunk_kernel", forced_long_kernel)
+    monkeypatch.setattr(chunk_kernels, "long_chunk_kernel", forced_long_kernel)
     folder = hf_model_dir(arch)
     kw = dict(dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=96)
     tok_on, lp_on, on = generate(folder, None, True, monkeypatch, MIXED, **kw)
@@ -193,13 +193,13 @@ def test_not_taken_where_it_does_not_apply(hf_model_dir, monkeypatch):
     """Passes with long chunks over an int8 cache (whose gathered rows the Python layers
     dequantize) or where SDPA runs the long chunks take the Python layers; the other passes
     stay fused."""
-    from keel.attention.backends import torch_paged
+    from keel.attention.backends import chunk_kernels
 
     folder = hf_model_dir("qwen3")
     _, _, calls = generate(folder, None, True, monkeypatch, MIXED, kv_cache_dtype="int8",
                            max_num_batched_tokens=96)
     assert calls["python"] >= 2 and calls["long"] == 0 and calls["fused"] >= 39, calls
-    monkeypatch.setattr(torch_paged, "long_chunk_kernel", lambda *a: None)  # SDPA
+    monkeypatch.setattr(chunk_kernels, "long_chunk_kernel", lambda *a: None)  # SDPA
     _, _, calls = generate(folder, None, True, monkeypatch, MIXED, max_num_batched_tokens=96)
     assert calls["python"] >= 2 and calls["long"] == 0 and calls["fused"] >= 39, calls
 
@@ -306,14 +306,14 @@ def test_float16_gemms_are_fused_and_bit_identical(arch, overrides, tmp_path, mo
     passes and passes with long chunks. An interleaved [gate; up] layer's plain pass gives its
     columns in order. Without AVX512-FP16 nothing is packed for it."""
     from keel import dtypes
-    from keel.attention.backends import torch_paged
+    from keel.attention.backends import chunk_kernels
     from keel.config import ModelConfig
     from keel.cpu_ops import get_cpu_ops
     from keel.model_executor.layers import gemm_choice, packed_weights
     from keel.model_executor.loader import load_model
     monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
     monkeypatch.setattr(gemm_choice, "_fp16_gemm_faster", True)
-    monkeypatch.setattr(torch_paged, "long_chunk_kernel", forced_long_kernel)
+    monkeypatch.setattr(chunk_kernels, "long_chunk_kernel", forced_long_kernel)
     packed = []
     real_pack = packed_weights._fp16_pack
 

@@ -157,14 +157,14 @@ class FusedDecode:
         """The kernel torch_paged._split_attention gives a long prompt chunk of this model,
         or None where that is torch's SDPA, or the cache is int8 (its gathered rows are
         dequantized in Python)."""
-        from keel.attention.backends import torch_paged
+        from keel.attention.backends import chunk_kernels
 
         attn = self._attn
         if attn.kv_scale is not None or attn.kv_cache.dtype == torch.int8:
             return None
-        return torch_paged.chunk_kernel_name(self._ops, self._dtype, attn.num_heads,
-                                             attn.num_kv_heads, attn.head_size,
-                                             int16=attn.int16_prompt_attention)
+        return chunk_kernels.chunk_kernel_name(self._ops, self._dtype, attn.num_heads,
+                                               attn.num_kv_heads, attn.head_size,
+                                               int16=attn.int16_prompt_attention)
 
     def _build(self, layers: Any, hidden: torch.Tensor) -> Any:
         """The plan; None while the KV cache is not bound yet; False if the model does not

@@ -190,9 +190,24 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     return path
 
 
+def default_block_size(device: torch.device, kv_dtype: torch.dtype) -> int:
+    """Tokens per KV block where none is named: 32 for a 16-bit cache on the CPU, else 16
+    (vLLM's GPU default). keel's CPU decode attention reads each KV head's keys of a block as
+    one run, and a block's successor is seldom next to it in memory once requests grow by
+    decoding. Over 64 rows of bfloat16 caches (30 layers' caches, 45-175 and 364-864 keys, 2
+    cores of a Zen 4), blocks of 32 ran 0.84-0.93x the time of 16 with bfloat16 queries and
+    0.89-1.00x with float32 ones (`auto`); least where the blocks were contiguous, most where
+    laid out as decoding leaves them. A float32 cache's kernel goes 16 keys at a time: with
+    blocks of 32 it read 1.05-1.08x slower where they were contiguous (0.95-0.98x where
+    scattered), so it keeps 16 (BENCHMARKS.md, sixty-fifth round)."""
+    if device.type == "cpu" and kv_dtype in (torch.bfloat16, torch.float16):
+        return 32
+    return 16
+
+
 @dataclass
 class CacheConfig:
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; None: default_block_size
     kv_cache_memory_gib: float | None = None  # None: a modest share of available memory
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -207,7 +222,9 @@ class CacheConfig:
     kv_torch_dtype: torch.dtype | None = field(init=False, default=None)  # set by EngineConfig
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (
+                isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                or self.block_size <= 0 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}.")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(
@@ -343,6 +360,8 @@ class EngineConfig:
             pc.distributed_executor_backend = "uni" if pc.world_size == 1 else "mp"
         sc, cc = self.scheduler_config, self.cache_config
         cc.resolve_kv_dtype(self.model_config)
+        if cc.block_size is None:
+            cc.block_size = default_block_size(self.model_config.torch_device, cc.kv_torch_dtype)
         sc.max_model_len = self.model_config.max_model_len
         if sc.max_num_batched_tokens < cc.block_size:
             raise ValueError(

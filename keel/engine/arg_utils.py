@@ -26,7 +26,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     # None: vLLM-CPU's default for the entry point (default_max_num_batched_tokens below).
     max_num_batched_tokens: int | None = None
-    block_size: int = 16
+    block_size: int | None = None  # None: config.default_block_size (32 or 16)
     kv_cache_memory_gib: float | None = None
     kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | int8 (see CacheConfig.cache_dtype)
     num_gpu_blocks_override: int | None = None

@@ -131,7 +131,7 @@ def test_engine_allocates_the_resolved_kv_cache_dtype(hf_model_dir, monkeypatch)
     runs = {}
     for kv in ("auto", "float32"):
         llm = LLM(folder, kv_cache_memory_gib=0.0625, max_model_len=256, max_num_seqs=1024,
-                  kv_cache_dtype=kv)
+                  kv_cache_dtype=kv, block_size=16)  # (16 named: blocks the same size)
         runner = llm.engine_core.model_executor.driver_worker.model_runner
         out = llm.generate(prompts, sp, use_tqdm=False)[0].outputs[0]
         runs[kv] = (runner.kv_caches[0].dtype, runner.kv_caches[0].shape[1],

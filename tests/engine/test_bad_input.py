@@ -90,7 +90,7 @@ def test_bad_sampling_params(llm, kwargs, match):
         (dict(max_model_len=4096), ValueError, "max_position_embeddings=512"),
         (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
         (dict(kv_cache_memory_gib=1e-6), ValueError, "raise kv_cache_memory_gib"),
-        (dict(num_gpu_blocks_override=3), ValueError, "needs 32"),
+        (dict(num_gpu_blocks_override=3, block_size=16), ValueError, "needs 32"),
         (dict(distributed_executor_backend=3.5), ValueError, "Unknown distributed executor"),
         (dict(tensor_parallel_size=4), ValueError, "must divide the model's 6 attention heads"),
         (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size must be a positive"),

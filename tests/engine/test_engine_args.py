@@ -44,3 +44,27 @@ def test_llm_and_server_pick_their_contexts(monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         api_server.run_server(EngineArgs())
     assert seen == ["llm_class", "openai_api_server"]
+
+
+def test_block_size_is_32_for_a_16_bit_cache_on_the_cpu(hf_model_dir):
+    """Unless one is named: 32 tokens a KV block where the cache is bfloat16 on the CPU (its
+    decode attention reads each head's keys of a block as one run), else 16; a named size is
+    kept."""
+    import torch
+
+    from keel.config import default_block_size
+
+    folder = str(hf_model_dir("llama"))
+
+    def cache(**kw):
+        args = EngineArgs(model=folder, device="cpu", **kw)
+        cc = args.create_engine_config("llm_class").cache_config
+        return cc.kv_torch_dtype, cc.block_size
+
+    assert cache(dtype="bfloat16") == (torch.bfloat16, 32)
+    assert cache(dtype="float32", kv_cache_dtype="bfloat16") == (torch.bfloat16, 32)
+    assert cache(dtype="float32", kv_cache_dtype="float32") == (torch.float32, 16)
+    assert cache(dtype="bfloat16", kv_cache_dtype="int8") == (torch.int8, 16)
+    assert cache(dtype="bfloat16", block_size=16) == (torch.bfloat16, 16)
+    assert cache(dtype="float32", block_size=64) == (torch.float32, 64)
+    assert default_block_size(torch.device("cuda"), torch.bfloat16) == 16

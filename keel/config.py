@@ -191,7 +191,7 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
 
 
 def default_block_size(device: torch.device, kv_dtype: torch.dtype) -> int:
-    """Tokens per KV block where none is named: 32 for a 16-bit cache on the CPU, else 16
+    """Tokens per KV block where none is named: 32 for a bfloat16 cache on the CPU, else 16
     (vLLM's GPU default). keel's CPU decode attention reads each KV head's keys of a block as
     one run, and a block's successor is seldom next to it in memory once requests grow by
     decoding. Over 64 rows of bfloat16 caches (30 layers' caches, 45-175 and 364-864 keys, 2
@@ -200,7 +200,7 @@ def default_block_size(device: torch.device, kv_dtype: torch.dtype) -> int:
     laid out as decoding leaves them. A float32 cache's kernel goes 16 keys at a time: with
     blocks of 32 it read 1.05-1.08x slower where they were contiguous (0.95-0.98x where
     scattered), so it keeps 16 (BENCHMARKS.md, sixty-fifth round)."""
-    if device.type == "cpu" and kv_dtype in (torch.bfloat16, torch.float16):
+    if device.type == "cpu" and kv_dtype == torch.bfloat16:
         return 32
     return 16
 

@@ -35,7 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prompt and decode tokens per step (default: 4096 for generate, 2048 "
                         "for serve and chat, times the world size, as vLLM-CPU)")
     p.add_argument("--block-size", type=int, default=None,
-                   help="tokens per KV block (default: 32 for a 16-bit cache on the CPU, else 16)")
+                   help="tokens per KV block (default: 32 for a bfloat16 cache on the CPU, else 16)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="KV cache budget on the CPU (default: a modest share of free memory)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],

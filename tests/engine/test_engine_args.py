@@ -46,7 +46,7 @@ def test_llm_and_server_pick_their_contexts(monkeypatch):
     assert seen == ["llm_class", "openai_api_server"]
 
 
-def test_block_size_is_32_for_a_16_bit_cache_on_the_cpu(hf_model_dir):
+def test_block_size_is_32_for_a_bfloat16_cache_on_the_cpu(hf_model_dir):
     """Unless one is named: 32 tokens a KV block where the cache is bfloat16 on the CPU (its
     decode attention reads each head's keys of a block as one run), else 16; a named size is
     kept."""
@@ -68,3 +68,4 @@ def test_block_size_is_32_for_a_16_bit_cache_on_the_cpu(hf_model_dir):
     assert cache(dtype="bfloat16", block_size=16) == (torch.bfloat16, 16)
     assert cache(dtype="float32", block_size=64) == (torch.float32, 64)
     assert default_block_size(torch.device("cuda"), torch.bfloat16) == 16
+    assert default_block_size(torch.device("cpu"), torch.float16) == 16

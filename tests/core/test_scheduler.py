@@ -6,6 +6,8 @@ count after this pass gets one sampled token; requests still prefilling get an e
 
 from __future__ import annotations
 
+import pytest
+
 from keel.config import CacheConfig, SchedulerConfig
 from keel.core.scheduler import Scheduler
 from keel.outputs import ModelRunnerOutput
@@ -247,3 +249,11 @@ def test_abort_of_running_and_waiting_requests():
     so = sched.schedule()
     assert so.finished_req_ids == {"a", "b"} and so.total_num_scheduled_tokens == 0
     assert not sched.has_requests()
+
+
+def test_an_unresolved_block_size_is_refused():
+    """CacheConfig leaves block_size to EngineConfig (config.default_block_size); a scheduler
+    built from one it has not resolved says so instead of failing in the block arithmetic."""
+    with pytest.raises(ValueError, match="block_size is unset"):
+        Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+                  CacheConfig(), 16)

@@ -198,9 +198,9 @@ def default_block_size(device: torch.device, kv_dtype: torch.dtype) -> int:
     cores of a Zen 4), blocks of 32 ran 0.84-0.93x the time of 16 with bfloat16 queries and
     0.89-1.00x with float32 ones (`auto`); least where the blocks were contiguous, most where
     laid out as decoding leaves them; the AVX2 build (KEEL_CPU_MARCH=znver3, on the same host)
-    0.86-0.97x. A float32 cache's kernel goes 16 keys at a time: with
-    blocks of 32 it read 1.05-1.08x slower where they were contiguous (0.95-0.98x where
-    scattered), so it keeps 16 (BENCHMARKS.md, sixty-fifth round)."""
+    0.86-0.97x. A float32 cache's kernel goes 16 keys at a time: with blocks of 32 it read
+    1.05-1.08x slower where they were contiguous (0.95-0.98x where scattered), so it keeps 16
+    (BENCHMARKS.md, sixty-fifth round)."""
     if device.type == "cpu" and kv_dtype == torch.bfloat16:
         return 32
     return 16

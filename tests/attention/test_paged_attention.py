@@ -268,6 +268,34 @@ def test_the_bfloat16_kernel_switch_takes_effect(monkeypatch):
     assert torch.equal(outs[0], outs[1]) != has_bf16_dot
 
 
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 50])
+def test_blocks_of_16_and_32_give_a_bfloat16_cache_the_same_bits(query_dtype, window):
+    """On the CPU a bfloat16 cache gets blocks of 32 tokens (config.default_block_size). Its
+    decode rows go 32 keys a chunk either way (two blocks of 16 or one of 32), so the same
+    keys in blocks of either size give the same bits: the default changes no output."""
+    ops = get_cpu_ops()
+    assert ops is not None
+    g = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, d, per = 8, 9, 3, 64, 20
+    lens = torch.randint(20, 16 * per, (rows,), generator=g)
+    q = torch.randn(rows, heads, d, generator=g).to(query_dtype)
+    cache16 = [torch.randn(rows * per, kv_heads, 16, d, generator=g).to(torch.bfloat16)
+               for _ in range(2)]
+    # Block j of 32 holds blocks 2j and 2j + 1 of 16, head by head.
+    cache32 = [c.view(rows * per // 2, 2, kv_heads, 16, d).transpose(1, 2)
+               .reshape(rows * per // 2, kv_heads, 32, d).contiguous() for c in cache16]
+    table16 = torch.arange(rows * per, dtype=torch.int32).view(rows, per)
+    table32 = torch.arange(rows * per // 2, dtype=torch.int32).view(rows, per // 2)
+    out16 = ops.paged_attention(q, *cache16, table16, lens, None, d ** -0.5, window)
+    out32 = ops.paged_attention(q, *cache32, table32, lens, None, d ** -0.5, window)
+    assert torch.equal(out16, out32)
+    # (and close to the same attention over the keys in float32)
+    ref = ops.paged_attention(q.float(), *(c.float() for c in cache16), table16, lens, None,
+                              d ** -0.5, window)
+    assert (out32.float() - ref).abs().max().item() < 3e-2
+
+
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.bfloat16, None),
                                                  (torch.float32, torch.bfloat16),
                                                  (torch.float32, torch.int8),

@@ -112,6 +112,9 @@ class BlockPool:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size is None:  # a CacheConfig that EngineConfig has not resolved
+            raise ValueError("block_size is unset: EngineConfig resolves it "
+                             "(config.default_block_size), or name one.")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)

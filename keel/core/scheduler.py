@@ -47,9 +47,6 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.async_scheduling = scheduler_config.async_scheduling
         self.chunked_prefill = scheduler_config.enable_chunked_prefill
-        if cache_config.block_size is None:
-            raise ValueError("cache_config.block_size is unset: EngineConfig resolves it "
-                             "(config.default_block_size), or name one.")
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,

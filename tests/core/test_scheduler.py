@@ -253,7 +253,8 @@ def test_abort_of_running_and_waiting_requests():
 
 def test_an_unresolved_block_size_is_refused():
     """CacheConfig leaves block_size to EngineConfig (config.default_block_size); a scheduler
-    built from one it has not resolved says so instead of failing in the block arithmetic."""
+    built from one it has not resolved (its KVCacheManager) says so instead of failing in the
+    block arithmetic."""
     with pytest.raises(ValueError, match="block_size is unset"):
         Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
                   CacheConfig(), 16)

@@ -233,6 +233,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "written", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"),
         pybind11::arg("n"), pybind11::arg("n_valid"), pybind11::arg("bias") = pybind11::none());
   m.def("i16_gemm_available", &i16_gemm_available, "built with AVX512-VNNI");
+  m.def("i16_gemm_prefetch_nta", &i16_gemm_prefetch_nta,
+        "whether i16_gemm's decode passes prefetch the next weights non-temporally (else into "
+        "L2); set= changes it for this process", py::arg("set") = py::none());
   // The classes are module-local, so that two builds of these kernels (each its own module
   // name) load side by side in one process: benchmarks/kernel_ab.py times one against the
   // other there, alternating, where separate processes met different phases of a shared host.

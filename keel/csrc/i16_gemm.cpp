@@ -38,7 +38,8 @@
 // broadcast, and one `vpdpwssd` adds both products of the pair into column j's lane. Rows go
 // in blocks of kBlockRows; the threads claim runs of panel pairs (groups of 4 panels in a pass
 // of kWideRows rows or more) within a block, and each tile prefetches a share of the next
-// item's panels into L2, as fp16_gemm's and gemm.cpp's do.
+// item's panels into L2, as fp16_gemm's and gemm.cpp's do (a decode pass on AMD: with the
+// non-temporal hint, i16_gemm_prefetch_nta).
 #include "ops.h"
 #include "argmax_lanes.h"
 #include "claims.h"
@@ -50,9 +51,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -142,6 +145,35 @@ std::tuple<at::Tensor, at::Tensor> i16_gemm_pack(at::Tensor weight) {
   return {packed, scales};
 }
 
+namespace {
+// Whether a pass of one block of rows (a decode step's) prefetches the next item's weights
+// with the non-temporal hint instead of into L2. Each weight line is read in one item only,
+// and a decode step streams all of the model's weights (269 MB for the default model) through
+// the caches: on AMD (an EPYC Zen 4) the hint let them pass without displacing what the rest
+// of the step reads, and `auto`'s decode step at 64 requests took 0.964-0.987x the time
+// (BENCHMARKS.md, sixty-sixth round). Elsewhere into L2, as before: on Intel the hint fetches
+// into L1 only, and a tile's rows reread the item's panels (36-98 KB) past L1's reach.
+// Chosen at first use; KEEL_GEMM_PREFETCH_NTA=0|1 forces it, and
+// `i16_gemm_prefetch_nta(set=)` changes it in a running process (the tests).
+std::atomic<bool>& nta_flag() {
+  static std::atomic<bool> nta = [] {
+    const char* e = std::getenv("KEEL_GEMM_PREFETCH_NTA");
+    if (e != nullptr && (e[0] == '0' || e[0] == '1') && e[1] == '\0') return e[0] == '1';
+#if defined(__x86_64__) || defined(__i386__)
+    return static_cast<bool>(__builtin_cpu_is("amd"));
+#else
+    return false;
+#endif
+  }();
+  return nta;
+}
+}  // namespace
+
+bool i16_gemm_prefetch_nta(std::optional<bool> set) {
+  if (set.has_value()) nta_flag().store(*set, std::memory_order_relaxed);
+  return nta_flag().load(std::memory_order_relaxed);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
     defined(__AVX512F__)
 #include <immintrin.h>
@@ -156,6 +188,15 @@ namespace {
 // At 2,052 rows the groups of 4 ran the default model's four layer kinds 1.03x faster; at 64
 // rows its 120 decode GEMMs ran 1.03x slower than in pairs (BENCHMARKS.md, sixty-second round).
 constexpr int64_t kWideRows = 256;
+
+// A line of the next item's weights: into L2, or non-temporally (`stream`: a decode pass
+// where i16_gemm_prefetch_nta).
+inline void prefetch_weights(const char* p, bool stream) {
+  if (stream)
+    _mm_prefetch(p, _MM_HINT_NTA);
+  else
+    _mm_prefetch(p, _MM_HINT_T1);
+}
 
 // acc += the pairs' products of a and b (`vpdpwssd`), written out: through the intrinsic GCC
 // copied every accumulator to another register, and some through the stack, at each step.
@@ -179,18 +220,19 @@ __attribute__((noinline)) void block_dot(const int16_t* xq, int64_t ldx, const f
                                          int64_t blocks, const int16_t* w, int64_t pstride,
                                          const float* ws, int64_t sstride, int64_t kb,
                                          int64_t ke, float* f, const char*& pf,
-                                         const char* pf_end, bool two, bool first) {
+                                         const char* pf_end, bool two, bool stream,
+                                         bool first) {
   __m512i c[P][R];
 #pragma GCC unroll 4
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 10
     for (int r = 0; r < R; ++r) c[p][r] = _mm512_setzero_si512();
   for (int64_t kp = kb; kp < ke; ++kp) {
-    if ((kp & 1) == 0 && pf < pf_end) {  // the next item's weights into L2
-      _mm_prefetch(pf, _MM_HINT_T1);
+    if ((kp & 1) == 0 && pf < pf_end) {  // the next item's weights (prefetch_weights)
+      prefetch_weights(pf, stream);
       pf += 64;
       if (two) {
-        _mm_prefetch(pf, _MM_HINT_T1);
+        prefetch_weights(pf, stream);
         pf += 64;
       }
     }
@@ -238,7 +280,7 @@ __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float*
                                     int64_t blocks, const int16_t* w, const float* s,
                                     int64_t pairs, const float* bias, int64_t cols, float* out,
                                     int64_t ldo, const char* pf, const char* pf_end,
-                                    const TileArgmax* argmax) {
+                                    bool stream, const TileArgmax* argmax) {
   alignas(64) float f[R][P][kCols];  // the float32 sums, between blocks (the first block's set)
   const bool two = (pf_end - pf + 63) / 64 * 2 > pairs;
   const int64_t pstride = pairs * 2 * kCols, sstride = blocks * kCols;
@@ -260,7 +302,8 @@ __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float*
                      _MM_HINT_ET0);
     }
     block_dot<R, P>(xq, ldx, sx + blk, blocks, w, pstride, s + blk * kCols, sstride, kb,
-                    std::min(pairs, kb + kPairs), &f[0][0][0], pf, pf_end, two, blk == 0);
+                    std::min(pairs, kb + kPairs), &f[0][0][0], pf, pf_end, two, stream,
+                    blk == 0);
   }
   if constexpr (Silu) {
     static_assert(P % 2 == 0, "silu_mul pairs a gate panel with its up panel");
@@ -298,7 +341,7 @@ __attribute__((noinline)) void tile(const int16_t* xq, int64_t ldx, const float*
 template <int P, bool Silu, int MaxR>
 void tile_rows(int rows, const int16_t* xq, int64_t ldx, const float* sx, int64_t blocks,
                const int16_t* w, const float* s, int64_t pairs, const float* bias, int64_t cols,
-               float* out, int64_t ldo, const char* pf, const char* pf_end,
+               float* out, int64_t ldo, const char* pf, const char* pf_end, bool stream,
                const TileArgmax* argmax) {
   // (run_panel_groups splits rows into tiles of at most MaxR: a larger one would be skipped)
   TORCH_CHECK(rows >= 1 && rows <= MaxR, "i16_gemm: a tile of ", rows, " rows");
@@ -307,14 +350,14 @@ void tile_rows(int rows, const int16_t* xq, int64_t ldx, const float* sx, int64_
   case R:                                                                                     \
     if constexpr (R <= MaxR)                                                                  \
       tile<R, P, Silu>(xq, ldx, sx, blocks, w, s, pairs, bias, cols, out, ldo, pf, pf_end,    \
-                       argmax);                                                               \
+                       stream, argmax);                                                       \
     break;
     KEEL_I16_TILE(10) KEEL_I16_TILE(9) KEEL_I16_TILE(8) KEEL_I16_TILE(7)
     KEEL_I16_TILE(6) KEEL_I16_TILE(5) KEEL_I16_TILE(4) KEEL_I16_TILE(3) KEEL_I16_TILE(2)
 #undef KEEL_I16_TILE
     default:
       tile<1, P, Silu>(xq, ldx, sx, blocks, w, s, pairs, bias, cols, out, ldo, pf, pf_end,
-                       argmax);
+                       stream, argmax);
       break;
   }
 }
@@ -387,6 +430,8 @@ void run_groups(int64_t m, int64_t n, int64_t pairs, int64_t blocks, const int16
                 bool silu_mul, float* o, int64_t ldo, keel::ArgmaxSink* sink = nullptr) {
   const int64_t panels = (n + kCols - 1) / kCols;
   const int64_t panel_elems = pairs * 2 * kCols, panel_scales = blocks * kCols;
+  // One block of rows (a decode pass) reads each weight line in one item only.
+  const bool stream = m <= kBlockRows && nta_flag().load(std::memory_order_relaxed);
   keel::run_panel_groups<kBlockRows, MaxR, G>(
       m, panels, reinterpret_cast<const char*>(w), panel_elems * 2,
       [&](int64_t p, int np, int64_t r0, int rows, const char* pf0, const char* pf1) {
@@ -400,7 +445,7 @@ void run_groups(int64_t m, int64_t n, int64_t pairs, int64_t blocks, const int16
         const TileArgmax argmax{r0, c0, sink != nullptr ? sink->n_valid : 0};
         auto run = [&](auto pc, auto silu) {
           tile_rows<decltype(pc)::value, decltype(silu)::value, MaxR>(
-              rows, xr, pairs, sr, blocks, wp, sp, pairs, bc, cols, oc, ldo, pf0, pf1,
+              rows, xr, pairs, sr, blocks, wp, sp, pairs, bc, cols, oc, ldo, pf0, pf1, stream,
               sink != nullptr ? &argmax : nullptr);
         };
         using Plain = std::false_type;

@@ -116,3 +116,5 @@ at::Tensor i16_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t 
 at::Tensor i16_gemm_argmax(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t n,
                            int64_t n_valid, std::optional<at::Tensor> bias);
 bool i16_gemm_available();
+// Whether i16_gemm's decode passes prefetch weights non-temporally (set= changes it).
+bool i16_gemm_prefetch_nta(std::optional<bool> set = std::nullopt);

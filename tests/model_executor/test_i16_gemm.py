@@ -281,3 +281,38 @@ def test_argmax_ties_nans_and_arguments(ops):
         with pytest.raises(RuntimeError, match="0 < n_valid <= N"):
             ops.i16_gemm_argmax(x, packed, scales, 160, bad)
     assert ops.i16_gemm_argmax(x[:0], packed, scales, 160, 160).shape == (0,)
+
+
+def test_non_temporal_weight_prefetch_gives_the_same_bits(ops):
+    """A decode pass prefetches the next weights with the non-temporal hint on AMD and into L2
+    elsewhere (KEEL_GEMM_PREFETCH_NTA unset; i16_gemm.cpp says why); a prefetch moves no data
+    the arithmetic sees, so plain, SiLU and argmax passes give the same bits either way, at
+    decode sizes (one block of rows, the hint's) and past them."""
+    import os
+
+    from keel.model_executor.layers.gemm_choice import silu_pair_order
+
+    default = ops.i16_gemm_prefetch_nta()
+    if os.environ.get("KEEL_GEMM_PREFETCH_NTA") is None:
+        with open("/proc/cpuinfo") as f:
+            assert default == ("AuthenticAMD" in f.read())
+    if not ops.i16_gemm_available():
+        return
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(192, 320, generator=g) * 0.05
+    packed, scales = ops.i16_gemm_pack(w)
+    silu = ops.i16_gemm_pack(w[silu_pair_order(192)])
+    outs = {}
+    try:
+        for nta in (False, True):
+            assert ops.i16_gemm_prefetch_nta(nta) is nta
+            for m in (9, 64, 300):
+                x = torch.randn(m, 320, generator=torch.Generator().manual_seed(m))
+                outs[nta, m] = (ops.i16_gemm(x, packed, scales, 192),
+                                ops.i16_gemm(x, *silu, 192, None, True),
+                                ops.i16_gemm_argmax(x, packed, scales, 192, 190))
+    finally:
+        ops.i16_gemm_prefetch_nta(default)
+    for m in (9, 64, 300):
+        for off, on in zip(outs[False, m], outs[True, m]):
+            assert torch.equal(off, on)

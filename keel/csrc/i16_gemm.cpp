@@ -44,6 +44,7 @@
 #include "argmax_lanes.h"
 #include "claims.h"
 #include "silu.h"
+#include "vendor_choice.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -55,7 +56,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -156,15 +156,7 @@ namespace {
 // Chosen at first use; KEEL_GEMM_PREFETCH_NTA=0|1 forces it, and
 // `i16_gemm_prefetch_nta(set=)` changes it in a running process (the tests).
 std::atomic<bool>& nta_flag() {
-  static std::atomic<bool> nta = [] {
-    const char* e = std::getenv("KEEL_GEMM_PREFETCH_NTA");
-    if (e != nullptr && (e[0] == '0' || e[0] == '1') && e[1] == '\0') return e[0] == '1';
-#if defined(__x86_64__) || defined(__i386__)
-    return static_cast<bool>(__builtin_cpu_is("amd"));
-#else
-    return false;
-#endif
-  }();
+  static std::atomic<bool> nta{keel::amd_unless_forced("KEEL_GEMM_PREFETCH_NTA")};
   return nta;
 }
 }  // namespace

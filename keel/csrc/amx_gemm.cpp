@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "argmax_lanes.h"
 #include "claims.h"
 #include "silu.h"
 
@@ -56,6 +57,8 @@ bool amx_gemm_available() {
   return false;
 #endif
 }
+
+bool amx_gemm_dense_available() { return amx_gemm_available() || bf16_dot_gemm_available(); }
 
 at::Tensor amx_gemm_pack(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
@@ -265,8 +268,10 @@ namespace {
 // amx_gemm's checks; whether `bias` is given.
 bool check_amx_gemm(const char* name, const at::Tensor& x, const at::Tensor& packed, int64_t n,
                     const std::optional<at::Tensor>& bias, bool silu_mul) {
-  TORCH_CHECK(amx_gemm_available(), name, ": this build or CPU has no AMX-BF16 tiles");
   const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(amx_gemm_available() || (!int4 && !int8 && bf16_dot_gemm_available()), name,
+              ": this build or CPU has no AMX-BF16 tiles",
+              int4 || int8 ? " (an int4 or int8 copy needs them)" : " nor AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
                   (packed.scalar_type() == at::kBFloat16 || int4 || int8),
               name, ": bfloat16 x [M, K] and a packed weight (amx_gemm_pack, "
@@ -284,6 +289,17 @@ bool check_amx_gemm(const char* name, const at::Tensor& x, const at::Tensor& pac
   TORCH_CHECK(!silu_mul || n % 32 == 0,
               name, ": silu_mul needs whole pairs of [16 gate | 16 up] columns");
   return has_bias;
+}
+
+// The bias as bf16_dot_gemm takes it: float32 or bfloat16 (or neither).
+struct Biases {
+  const float* f = nullptr;
+  const c10::BFloat16* h = nullptr;
+};
+Biases biases(const std::optional<at::Tensor>& bias, bool has_bias) {
+  if (!has_bias) return {};
+  if (bias->scalar_type() == at::kFloat) return {bias->data_ptr<float>(), nullptr};
+  return {nullptr, bias->data_ptr<c10::BFloat16>()};
 }
 
 #if KEEL_AMX
@@ -348,6 +364,11 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, silu_mul ? n / 2 : n}, x.options());
   if (M == 0) return out;
+  if (!amx_gemm_available()) {  // the dense copy on AVX512-BF16's dot products
+    const Biases b = biases(bias, has_bias);
+    bf16_dot_gemm(x, packed, n, b.f, b.h, silu_mul, out.data_ptr<c10::BFloat16>(), nullptr);
+    return out;
+  }
 #if KEEL_AMX
   run_amx_gemm<false>(x, packed, n, bias, has_bias, silu_mul, out.data_ptr<c10::BFloat16>(),
                       nullptr);
@@ -365,12 +386,19 @@ at::Tensor amx_gemm_argmax(at::Tensor x, at::Tensor packed, int64_t n, int64_t n
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   if (M == 0) return out;
-#if KEEL_AMX
-  ArgmaxSink sink;
+#ifdef __AVX512F__  // (check_amx_gemm has refused a build without it: no tiles, no BF16)
+  keel::ArgmaxSink sink;
   sink.n_valid = n_valid;
   sink.value.assign(M, 0.f);
   sink.index.assign(M, -1);
-  run_amx_gemm<true>(x, packed, n, bias, has_bias, false, nullptr, &sink);
+  if (!amx_gemm_available()) {  // the dense copy on AVX512-BF16's dot products
+    const Biases b = biases(bias, has_bias);
+    bf16_dot_gemm(x, packed, n, b.f, b.h, false, nullptr, &sink);
+  } else {
+#if KEEL_AMX
+    run_amx_gemm<true>(x, packed, n, bias, has_bias, false, nullptr, &sink);
+#endif
+  }
   std::memcpy(out.data_ptr<int64_t>(), sink.index.data(), M * sizeof(int64_t));
 #endif
   return out;

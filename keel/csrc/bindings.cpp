@@ -171,7 +171,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm_pack_int8", &amx_gemm_pack_int8,
         "amx_gemm's int8 copy of a weight given as int8 in groups of 32, W = q d (empty where "
         "it does not widen to exactly the dense bfloat16 weight)");
-  m.def("amx_gemm", &amx_gemm, "bfloat16 x @ W^T (+ bias) on AMX tiles",
+  m.def("amx_gemm", &amx_gemm,
+        "bfloat16 x @ W^T (+ bias) on AMX tiles (or AVX512-BF16's dot products without them)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("silu_mul") = false);
   m.def("amx_gemm_argmax", &amx_gemm_argmax,
@@ -182,7 +183,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 x @ W^T (+ bias) on AMX tiles, W all bfloat16 values, x in three bfloat16 parts",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("silu_mul") = false);
-  m.def("amx_gemm_available", &amx_gemm_available, "whether this build and CPU run amx_gemm");
+  m.def("amx_gemm_available", &amx_gemm_available,
+        "whether this build and CPU have the AMX tiles (every copy of amx_gemm, amx_gemm_f32)");
+  m.def("amx_gemm_dense_available", &amx_gemm_dense_available,
+        "whether amx_gemm and amx_gemm_argmax run over amx_gemm_pack's copy here (on AMX "
+        "tiles, or without them on AVX512-BF16's dot products)");
+  m.def("bf16_dot_gemm_available", &bf16_dot_gemm_available,
+        "built with AVX512-BF16 (amx_gemm's dense copy on its dot products)");
   m.def("prefill_attention_amx_available", &prefill_attention_amx_available,
         "whether this build and CPU run prefill_attention_amx");
   m.def("prefill_attention_i16", &prefill_attention_i16,
@@ -233,9 +240,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "written", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"),
         pybind11::arg("n"), pybind11::arg("n_valid"), pybind11::arg("bias") = pybind11::none());
   m.def("i16_gemm_available", &i16_gemm_available, "built with AVX512-VNNI");
-  m.def("i16_gemm_prefetch_nta", &i16_gemm_prefetch_nta,
-        "whether i16_gemm's decode passes prefetch the next weights non-temporally (else into "
-        "L2); set= changes it for this process", py::arg("set") = py::none());
+  m.def("gemm_prefetch_nta", &gemm_prefetch_nta,
+        "whether i16_gemm's and bf16_dot_gemm's decode passes prefetch the next weights "
+        "non-temporally (else into L2); set= changes it for this process", py::arg("set") = py::none());
   // The classes are module-local, so that two builds of these kernels (each its own module
   // name) load side by side in one process: benchmarks/kernel_ab.py times one against the
   // other there, alternating, where separate processes met different phases of a shared host.

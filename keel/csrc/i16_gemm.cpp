@@ -39,7 +39,7 @@
 // in blocks of kBlockRows; the threads claim runs of panel pairs (groups of 4 panels in a pass
 // of kWideRows rows or more) within a block, and each tile prefetches a share of the next
 // item's panels into L2, as fp16_gemm's and gemm.cpp's do (a decode pass on AMD: with the
-// non-temporal hint, i16_gemm_prefetch_nta).
+// non-temporal hint, vendor_choice.h gemm_prefetch_nta).
 #include "ops.h"
 #include "argmax_lanes.h"
 #include "claims.h"
@@ -145,25 +145,9 @@ std::tuple<at::Tensor, at::Tensor> i16_gemm_pack(at::Tensor weight) {
   return {packed, scales};
 }
 
-namespace {
-// Whether a pass of one block of rows (a decode step's) prefetches the next item's weights
-// with the non-temporal hint instead of into L2. Each weight line is read in one item only,
-// and a decode step streams all of the model's weights (269 MB for the default model) through
-// the caches: on AMD (an EPYC Zen 4) the hint let them pass without displacing what the rest
-// of the step reads, and `auto`'s decode step at 64 requests took 0.964-0.987x the time
-// (BENCHMARKS.md, sixty-sixth round). Elsewhere into L2, as before: on Intel the hint fetches
-// into L1 only, and a tile's rows reread the item's panels (36-98 KB) past L1's reach.
-// Chosen at first use; KEEL_GEMM_PREFETCH_NTA=0|1 forces it, and
-// `i16_gemm_prefetch_nta(set=)` changes it in a running process (the tests).
-std::atomic<bool>& nta_flag() {
-  static std::atomic<bool> nta{keel::amd_unless_forced("KEEL_GEMM_PREFETCH_NTA")};
-  return nta;
-}
-}  // namespace
-
-bool i16_gemm_prefetch_nta(std::optional<bool> set) {
-  if (set.has_value()) nta_flag().store(*set, std::memory_order_relaxed);
-  return nta_flag().load(std::memory_order_relaxed);
+bool gemm_prefetch_nta(std::optional<bool> set) {
+  if (set.has_value()) keel::gemm_prefetch_nta().store(*set, std::memory_order_relaxed);
+  return keel::gemm_prefetch_nta().load(std::memory_order_relaxed);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
@@ -182,7 +166,7 @@ namespace {
 constexpr int64_t kWideRows = 256;
 
 // A line of the next item's weights: into L2, or non-temporally (`stream`: a decode pass
-// where i16_gemm_prefetch_nta).
+// where keel::gemm_prefetch_nta).
 inline void prefetch_weights(const char* p, bool stream) {
   if (stream)
     _mm_prefetch(p, _MM_HINT_NTA);
@@ -423,7 +407,8 @@ void run_groups(int64_t m, int64_t n, int64_t pairs, int64_t blocks, const int16
   const int64_t panels = (n + kCols - 1) / kCols;
   const int64_t panel_elems = pairs * 2 * kCols, panel_scales = blocks * kCols;
   // One block of rows (a decode pass) reads each weight line in one item only.
-  const bool stream = m <= kBlockRows && nta_flag().load(std::memory_order_relaxed);
+  const bool stream =
+      m <= kBlockRows && keel::gemm_prefetch_nta().load(std::memory_order_relaxed);
   keel::run_panel_groups<kBlockRows, MaxR, G>(
       m, panels, reinterpret_cast<const char*>(w), panel_elems * 2,
       [&](int64_t p, int np, int64_t r0, int rows, const char* pf0, const char* pf1) {

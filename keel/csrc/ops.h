@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 
 #include <optional>
 #include <tuple>
@@ -74,7 +75,8 @@ at::Tensor gemm_silu(at::Tensor x, at::Tensor packed, int64_t n,
 void silu_mul_f32(const float* g, const float* u, float* o, int64_t n);
 bool gemm_available();
 // bfloat16 x [M, K] @ W^T (+ bias) -> [M, N] bfloat16 on AMX tiles (amx_gemm.cpp), W packed
-// once by amx_gemm_pack; K % 32 == 0, N % 16 == 0.
+// once by amx_gemm_pack; K % 32 == 0, N % 16 == 0. Where the CPU has no tiles but AVX512-BF16,
+// amx_gemm and amx_gemm_argmax run the dense copy on bf16_dot_gemm (amx_gemm_dense_available).
 at::Tensor amx_gemm_pack(at::Tensor weight);
 // Its int4 copy from keel's int4 form (q uint8 [N, K / 2], d and m [N, K / 32]: W = q d + m),
 // or an empty tensor where that does not widen to exactly the bfloat16 `dense` [N, K].
@@ -96,6 +98,9 @@ at::Tensor amx_gemm_argmax(at::Tensor x, at::Tensor packed, int64_t n, int64_t n
 at::Tensor amx_gemm_f32(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at::Tensor> bias,
                         bool silu_mul);
 bool amx_gemm_available();
+// Whether amx_gemm and amx_gemm_argmax run over amx_gemm_pack's copy here: on AMX tiles, or
+// on AVX512-BF16's dot products (the int4 / int8 copies and amx_gemm_f32 need the tiles).
+bool amx_gemm_dense_available();
 // float32 x [M, K] @ W^T (+ bias) on AVX512-FP16's float16 FMAs (fp16_gemm.cpp), W packed once
 // by fp16_gemm_pack (which also gives the largest |W|, fp16_gemm's w_max); silu_mul: W's rows
 // interleaved by 16 as amx_gemm's, the result silu(gate) * up [M, N / 2]. dtype="auto" takes it
@@ -116,5 +121,18 @@ at::Tensor i16_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t 
 at::Tensor i16_gemm_argmax(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t n,
                            int64_t n_valid, std::optional<at::Tensor> bias);
 bool i16_gemm_available();
-// Whether i16_gemm's decode passes prefetch weights non-temporally (set= changes it).
-bool i16_gemm_prefetch_nta(std::optional<bool> set = std::nullopt);
+// Whether i16_gemm's and bf16_dot_gemm's decode passes prefetch weights non-temporally
+// (set= changes it; vendor_choice.h).
+bool gemm_prefetch_nta(std::optional<bool> set = std::nullopt);
+// amx_gemm's dense copy on AVX512-BF16's `vdpbf16ps` (bf16_dot_gemm.cpp), which amx_gemm and
+// amx_gemm_argmax run on where the CPU has no AMX tiles: x [M, K] bfloat16 (M > 0) against
+// amx_gemm_pack's `packed` for N = n into `out` [M, n] (silu: [M, n / 2]), the bias float32
+// or bfloat16 (or none), or, with `argmax`, each row's argmax into it; amx_gemm's checks
+// made by the caller.
+namespace keel {
+struct ArgmaxSink;
+}
+void bf16_dot_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* bias_f,
+                   const c10::BFloat16* bias_h, bool silu, c10::BFloat16* out,
+                   keel::ArgmaxSink* argmax);
+bool bf16_dot_gemm_available();

@@ -292,7 +292,7 @@ def test_non_temporal_weight_prefetch_gives_the_same_bits(ops):
 
     from keel.model_executor.layers.gemm_choice import silu_pair_order
 
-    default = ops.i16_gemm_prefetch_nta()
+    default = ops.gemm_prefetch_nta()
     if os.environ.get("KEEL_GEMM_PREFETCH_NTA") is None:
         with open("/proc/cpuinfo") as f:
             assert default == ("AuthenticAMD" in f.read())
@@ -305,14 +305,14 @@ def test_non_temporal_weight_prefetch_gives_the_same_bits(ops):
     outs = {}
     try:
         for nta in (False, True):
-            assert ops.i16_gemm_prefetch_nta(nta) is nta
+            assert ops.gemm_prefetch_nta(nta) is nta
             for m in (9, 64, 300):
                 x = torch.randn(m, 320, generator=torch.Generator().manual_seed(m))
                 outs[nta, m] = (ops.i16_gemm(x, packed, scales, 192),
                                 ops.i16_gemm(x, *silu, 192, None, True),
                                 ops.i16_gemm_argmax(x, packed, scales, 192, 190))
     finally:
-        ops.i16_gemm_prefetch_nta(default)
+        ops.gemm_prefetch_nta(default)
     for m in (9, 64, 300):
         for off, on in zip(outs[False, m], outs[True, m]):
             assert torch.equal(off, on)

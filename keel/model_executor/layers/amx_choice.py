@@ -1,4 +1,12 @@
-"""Which passes keel's AMX GEMM (csrc/amx_gemm.cpp) takes, where the CPU has AMX tiles.
+"""Which passes keel's AMX GEMM (csrc/amx_gemm.cpp) takes, where the CPU has AMX tiles, or
+AVX512-BF16 without them.
+
+Without tiles, amx_gemm runs the same bfloat16 copy on AVX512-BF16's dot products
+(csrc/bf16_dot_gemm.cpp: `vdpbf16ps`, i16_gemm's schedule, amx_gemm's epilogues), and the
+choices below are made the same way, against oneDNN's bfloat16 GEMMs: on an AMD EPYC Zen 4 it
+ran level with them with the weights in cache and took oneDNN's place in a decode step's
+(BENCHMARKS.md, sixty-seventh round). The GGUF int4 / int8 copies and amx_gemm_f32 need the
+tiles.
 
 A bfloat16 layer on oneDNN also keeps a copy of its weight in the GEMM's tile layout. The GEMM
 takes the passes of up to `AMX_GEMM_MAX_ROWS` rows (decode steps) unless oneDNN's times faster
@@ -58,9 +66,10 @@ _amx_bytes_left: int | None = None  # the copies' memory budget (see _amx_budget
 
 
 def amx_gemm_chosen() -> bool:
-    """Whether bfloat16 decode-sized passes run on keel's AMX GEMM: built, with AMX tiles,
-    not turned off (KEEL_AMX_GEMM=0), and not measured slower than oneDNN's at 64 rows by more
-    than gemm_choice.OWN_KERNEL_MARGIN (once per process)."""
+    """Whether bfloat16 decode-sized passes run on keel's AMX GEMM: built, with AMX tiles or
+    AVX512-BF16 (amx_gemm_dense_available), not turned off (KEEL_AMX_GEMM=0), and not
+    measured slower than oneDNN's at 64 rows by more than gemm_choice.OWN_KERNEL_MARGIN (once
+    per process)."""
     global _amx_gemm_faster
     if _amx_gemm_faster is None:
         _amx_gemm_faster = False
@@ -69,13 +78,14 @@ def amx_gemm_chosen() -> bool:
             from keel.cpu_ops import get_cpu_ops
 
             ops = get_cpu_ops()
-            if ops is not None and hasattr(ops, "amx_gemm") and ops.amx_gemm_available():
+            if ops is not None and ops.amx_gemm_dense_available():
                 gc._keel_ops = ops
                 _amx_gemm_faster = gc._first_faster((torch.bfloat16, "amx"), (torch.bfloat16,),
                                                     gc._CHOICE_ROUNDS, gc.OWN_KERNEL_MARGIN)
-                logger.info("bfloat16 passes of up to %d rows: %s's GEMM (measured at "
-                            "64 x 1536 x 576)", AMX_GEMM_MAX_ROWS,
-                            "keel" if _amx_gemm_faster else "oneDNN")
+                logger.info("bfloat16 passes of up to %d rows: %s (measured at 64 x 1536 x 576)",
+                            AMX_GEMM_MAX_ROWS, "oneDNN's GEMM" if not _amx_gemm_faster else
+                            "keel's GEMM on " + ("AMX tiles" if ops.amx_gemm_available() else
+                                                 "AVX512-BF16 dot products"))
     return _amx_gemm_faster
 
 
@@ -266,7 +276,12 @@ def amx_compressed_copy_chosen(kind: str) -> bool:
     if kind not in _compressed_faster:
         forced = gc.forced_choice("KEEL_AMX_COMPRESSED", "the bfloat16 copy",
                                 "the file's int4 / int8 blocks")
-        if forced is not None:
+        from keel.cpu_ops import get_cpu_ops
+
+        ops = get_cpu_ops()
+        if ops is None or not ops.amx_gemm_available():  # the copies are widened on the tiles
+            _compressed_faster[kind] = False
+        elif forced is not None:
             _compressed_faster[kind] = forced
         else:
             _compressed_faster[kind] = _time_compressed_copy(kind)

@@ -351,7 +351,8 @@ def floor_candidates(model, rows: int, dtype) -> list:
     without changing its weights: float32 for a float32 model; bfloat16 or float32 (exact
     upcast) for a bfloat16 one. Each shape: plain `F.linear`, oneDNN-packed and keel's own
     GEMMs (csrc/gemm.cpp: float32 over a float32 or bfloat16 weight; csrc/amx_gemm.cpp:
-    bfloat16 on AMX tiles, where the CPU has them), best of 20 each, with the weight hot in
+    bfloat16 on AMX tiles, or on AVX512-BF16's dot products where the CPU has those and no
+    tiles: csrc/bf16_dot_gemm.cpp), best of 20 each, with the weight hot in
     cache. A float32 run of a model whose weights are all bfloat16 values (keel kept tile
     copies for its float32 passes: `amx_f32`) may be computed in bfloat16 too, and its float32
     candidates include csrc/amx_gemm.cpp's amx_gemm_f32. A model whose layers dtype="auto"
@@ -398,7 +399,7 @@ def floor_candidates(model, rows: int, dtype) -> list:
                 panels, xf = ops.gemm_pack(w), x.float()
                 candidates.append(lambda p=panels, x=xf, n=n_out: ops.gemm(x, p, n))
             if (ops is not None and dt == torch.bfloat16 and n_out % 16 == 0 and n_in % 32 == 0
-                    and hasattr(ops, "amx_gemm") and ops.amx_gemm_available()):
+                    and ops.amx_gemm_dense_available()):
                 tiles = ops.amx_gemm_pack(w)
                 candidates.append(lambda p=tiles, x=x, n=n_out: ops.amx_gemm(x, p, n))
             if ops is not None and dt == torch.float32 and on_fp16:

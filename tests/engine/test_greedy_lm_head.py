@@ -27,7 +27,7 @@ def generate(folder, monkeypatch, on: bool, params, dtype="bfloat16"):
     # Decode-sized bfloat16 passes on keel's AMX GEMM where the CPU has it (the engine measures
     # this against oneDNN; fixed here).
     ops = get_cpu_ops()
-    if ops is not None and ops.amx_gemm_available():
+    if ops is not None and ops.amx_gemm_dense_available():
         monkeypatch.setattr(amx_choice.gc, "_keel_ops", ops)
         monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
     calls = {"head": 0, "logits": 0}
@@ -57,7 +57,7 @@ def test_lm_head_argmax_gives_the_samplers_tokens(arch, hf_model_dir, monkeypatc
     assert on == off
     assert off_calls["head"] == 0 and off_calls["logits"] >= 12
     ops = get_cpu_ops()
-    if ops is not None and ops.amx_gemm_available():
+    if ops is not None and ops.amx_gemm_dense_available():
         # Every step: the prompts' pass and 11 decode passes, no logits at all.
         assert on_calls["head"] >= 12 and on_calls["logits"] == 0, on_calls
     else:  # no AMX GEMM, no copy for the head: the logits as before

@@ -1,8 +1,11 @@
 """keel's AMX GEMM (keel/csrc/amx_gemm.cpp) for bfloat16 passes: against a float32
 reference (decode-sized passes, and prompt chunks in several panels of rows with a partial
 last tile), through a linear layer (cpu_gemm: up to AMX_GEMM_MAX_ROWS rows on it, longer
-passes on it where amx_prompt_chosen, else on oneDNN), and its arguments. Where the build or CPU has no AMX tiles the op
-says so and raises (each test checks that instead)."""
+passes on it where amx_prompt_chosen, else on oneDNN), and its arguments. Without AMX tiles
+but with AVX512-BF16, amx_gemm and amx_gemm_argmax run the bfloat16 copy on its dot products
+(keel/csrc/bf16_dot_gemm.cpp) and the same tests hold for it (`dense`); the int4 / int8
+copies need the tiles. Where the build or CPU has neither, the op says so and raises (each
+test checks that instead)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,11 @@ def ops():
     return ops
 
 
+def dense(ops):
+    """Whether amx_gemm runs the bfloat16 copy here (AMX tiles, or AVX512-BF16's dots)."""
+    return ops.amx_gemm_dense_available()
+
+
 def reference(x, w, b):
     out = x.float() @ w.float().t()
     return out if b is None else out + b.float()
@@ -38,8 +46,8 @@ def test_matches_float32_reference(ops, m, n, k, bias):
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).to(bias) if bias is not None else None
-    if not ops.amx_gemm_available():
-        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+    if not dense(ops):
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles nor AVX512-BF16"):
             ops.amx_gemm(x, ops.amx_gemm_pack(w), n, b)
         return
     out = ops.amx_gemm(x, ops.amx_gemm_pack(w), n, b)
@@ -74,9 +82,9 @@ def test_layer_takes_it_for_short_passes_or_all(ops, monkeypatch, prompt):
     torch.nn.init.normal_(layer.weight, std=0.05)
     torch.nn.init.normal_(layer.bias)
     dense_w, dense_b = layer.weight.detach().clone(), layer.bias.detach().clone()
-    if not ops.amx_gemm_available():
+    if not dense(ops):
         monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
-        assert not amx_choice.amx_gemm_chosen()  # no tiles: never chosen
+        assert not amx_choice.amx_gemm_chosen()  # no tiles, no AVX512-BF16: never chosen
         return
     pack_for_cpu_gemm(layer)
     if layer.packed_by != "onednn":
@@ -141,10 +149,11 @@ def test_quantized_layer_keeps_the_int4_copy(ops, monkeypatch):
     monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
     monkeypatch.setattr(amx_choice, "_amx_bytes_left", 1 << 30)
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
-    if not ops.amx_gemm_available():
+    if not dense(ops):
         monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
-        assert not amx_choice.amx_gemm_chosen()  # no tiles: no copy of either kind
+        assert not amx_choice.amx_gemm_chosen()  # no AMX GEMM: no copy of either kind
         return
+    tiles = ops.amx_gemm_available()  # else AVX512-BF16's dots: the bfloat16 copy only
     g = torch.Generator().manual_seed(3)
     pairs, d, mins, w = int4_weight(96, 128, g)
     x = torch.randn(20, 128, generator=g).bfloat16()
@@ -156,7 +165,7 @@ def test_quantized_layer_keeps_the_int4_copy(ops, monkeypatch):
         layer.quant = pack_int4_pairs(pairs, d.float(), mins.float() + 8 * d.float(), 128)
         layer.quant.max_rows = 0  # every pass on the dense side
         layer.process_weights_after_loading()
-        if faster:
+        if faster and tiles:
             assert layer.amx_weight.dtype == torch.uint8
             assert layer.amx_weight.numel() == ops.amx_gemm_pack(w).numel() * 3 // 4
         else:
@@ -168,9 +177,11 @@ def test_compressed_copies_are_chosen_by_measuring(ops, monkeypatch):
     """The int4 and int8 copies are taken only where they measured faster than the bfloat16
     copy (once per process and kind); KEEL_AMX_COMPRESSED forces the answer."""
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
-    if not ops.amx_gemm_available():  # no tiles: no AMX GEMM, so no copy of either kind
-        monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
-        assert not amx_choice.amx_gemm_chosen()
+    if not ops.amx_gemm_available():  # no tiles: no copy of either kind, nothing measured
+        monkeypatch.setattr(amx_choice, "_compressed_faster", {"int4": True, "int8": True})
+        monkeypatch.setattr(amx_choice, "_time_compressed_copy", lambda kind: 1 / 0)
+        assert not amx_choice.amx_compressed_copy_chosen("int4")
+        assert not amx_choice.amx_compressed_copy_chosen("int8")
         return
     real, calls = amx_choice._time_compressed_copy, []
 
@@ -217,10 +228,11 @@ def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4,
     monkeypatch.setattr(amx_choice, "_amx_long_faster", True)
     monkeypatch.setattr(amx_choice, "_amx_plain_prompt_faster", False)  # the other kind's
     monkeypatch.setattr(amx_choice, "_amx_plain_long_faster", False)
-    if not ops.amx_gemm_available():
+    if not dense(ops):
         monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
         assert not amx_choice.amx_gemm_chosen()
         return
+    int4_copy = int4 and ops.amx_gemm_available()  # AVX512-BF16's dots: the bfloat16 copy
     g = torch.Generator().manual_seed(m)
     inter, k = 96, 128
     pairs, d, mins, w = int4_weight(2 * inter, k, g)
@@ -234,13 +246,14 @@ def test_silu_epilogue_gives_silu_and_mul_of_the_gemm(ops, monkeypatch, m, int4,
         layer.quant.max_rows = 0
     layer.silu_pairs = True
     layer.process_weights_after_loading()
-    assert layer.amx_silu and layer.amx_weight.dtype == (torch.uint8 if int4 else torch.bfloat16)
+    assert layer.amx_silu
+    assert layer.amx_weight.dtype == (torch.uint8 if int4_copy else torch.bfloat16)
     x = torch.randn(m, k, generator=g).bfloat16()
     plain = ops.amx_gemm(x, ops.amx_gemm_pack(w), 2 * inter,
                          None if bias is None else layer.bias.to(bias))
     want = ops.silu_and_mul(plain)
     got = layer.gemm_silu(x)
-    if int4 and m > amx_choice.AMX_GEMM_MAX_ROWS:
+    if int4_copy and m > amx_choice.AMX_GEMM_MAX_ROWS:
         assert got is None
     else:
         assert got.shape == (m, inter) and torch.equal(got, want)
@@ -314,7 +327,7 @@ def test_prompt_passes_are_chosen_by_measuring(ops, monkeypatch):
     monkeypatch.setenv("KEEL_AMX_PROMPT", "on")  # a bad value is refused without AMX too
     with pytest.raises(ValueError, match="KEEL_AMX_PROMPT='on': expected 0"):
         amx_choice.amx_prompt_chosen(silu=True)
-    if not ops.amx_gemm_available():
+    if not dense(ops):
         return
     monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
     _unset_prompt_choices(monkeypatch)
@@ -369,7 +382,8 @@ def test_prompt_mlp_timing_runs(ops, monkeypatch):
     """The real measurements time both kernels' MLP and plain GEMMs (which is faster depends
     on the CPU)."""
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
-    if not ops.amx_gemm_available():
+    assert dense(ops) or not ops.amx_gemm_available()
+    if not dense(ops):
         return
     for kernel in ("amx", "onednn"):
         t = amx_choice._time_prompt_mlp(kernel, rows=64, inter=128, hidden=64)()
@@ -382,8 +396,9 @@ def test_a_rows_output_does_not_depend_on_the_pass(ops):
     """Every row is summed in the same order whatever the pass's size, panel or tile: a
     prompt chunk's rows (panels of 512 where a pair of the weight fits in L1, as at K = 576,
     else of 128; a padded last tile) give the bits that the same rows give in decode-sized
-    passes, or alone."""
-    if not ops.amx_gemm_available():
+    passes, or alone. (On AVX512-BF16's dots: tiles of 1-10 rows, items of one or two pairs
+    of panels.)"""
+    if not dense(ops):
         return
     g = torch.Generator().manual_seed(5)
     m, n, k = 1100, 160, 576
@@ -410,7 +425,7 @@ def test_amx_gemm_choice_favours_keel_within_the_margin(ops, monkeypatch, onednn
     monkeypatch.delenv("KEEL_CPU_GEMM", raising=False)
     monkeypatch.setattr(linear_mod, "_gemm_timer", fake_timer)
     monkeypatch.setattr(amx_choice, "_amx_gemm_faster", None)
-    if not (ops.amx_gemm_available() and linear_mod._onednn_available()):
+    if not (dense(ops) and linear_mod._onednn_available()):
         assert not amx_choice.amx_gemm_chosen() and not calls  # nothing to measure
         return
     keel = onednn_faster_by < linear_mod.OWN_KERNEL_MARGIN
@@ -435,9 +450,13 @@ def test_argmax_in_the_epilogue_is_torchs_argmax_of_the_output(ops, m, n, n_vali
     q, d, _ = q8_0_weight(n, k, g)
     x = torch.randn(m, k, generator=g).bfloat16()
     x[m // 2] = 0  # a row of zeros: every column ties (with -0 and +0 among them)
-    if not ops.amx_gemm_available():
+    if not dense(ops):
         with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
             ops.amx_gemm_argmax(x, torch.empty(0, dtype=torch.bfloat16), n, n_valid)
+        return
+    if copy == "int8" and not ops.amx_gemm_available():  # AVX512-BF16's dots: no int8 copy
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            ops.amx_gemm_pack_int8(q, d, q.float().bfloat16())
         return
     # Ties: column 7 made large (the argmax of about half the rows) and copied into a later
     # column, which another thread computes; past n_valid, a padded column twice as large.
@@ -467,7 +486,7 @@ def test_argmax_in_the_epilogue_is_torchs_argmax_of_the_output(ops, m, n, n_vali
 
 def test_argmax_in_the_epilogue_checks_its_arguments(ops):
     x = torch.randn(3, 64).bfloat16()
-    if not ops.amx_gemm_available():
+    if not dense(ops):
         with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
             ops.amx_gemm_argmax(x, torch.empty(0, dtype=torch.bfloat16), 64, 64)
         return
@@ -480,3 +499,45 @@ def test_argmax_in_the_epilogue_checks_its_arguments(ops):
     with pytest.raises(RuntimeError, match="bfloat16 x"):
         ops.amx_gemm_argmax(x.float(), packed, 64, 64)
     assert ops.amx_gemm_argmax(x[:0], packed, 64, 64).shape == (0,)
+
+
+def test_dots_take_the_bfloat16_copy_where_there_are_no_tiles(ops):
+    """amx_gemm runs the bfloat16 copy wherever the build has AMX tiles or AVX512-BF16
+    (bf16_dot_gemm, the latter's `vdpbf16ps`); an int4 or int8 copy without the tiles is
+    refused with a message that says so."""
+    has_bf16 = "avx512_bf16" in ops.built_for()
+    assert ops.bf16_dot_gemm_available() == has_bf16
+    assert dense(ops) == (ops.amx_gemm_available() or has_bf16)
+    if ops.amx_gemm_available() or not has_bf16:
+        return
+    x = torch.randn(4, 64).bfloat16()
+    fake_int4 = torch.zeros(2 * 768, dtype=torch.uint8)  # [N = 64, K = 64] in size
+    with pytest.raises(RuntimeError, match="an int4 or int8 copy needs them"):
+        ops.amx_gemm(x, fake_int4, 64)
+    with pytest.raises(RuntimeError, match="an int4 or int8 copy needs them"):
+        ops.amx_gemm_argmax(x, torch.zeros(2 * 1152, dtype=torch.int8), 64, 64)
+
+
+@pytest.mark.parametrize("m", [9, 64, 300])
+def test_non_temporal_weight_prefetch_gives_the_same_bits(ops, m):
+    """The dense copy's passes give the same bits with the weights prefetched non-temporally
+    or into L2 (gemm_prefetch_nta: bf16_dot_gemm's and i16_gemm's decode passes, on AMD by
+    default): plain, with SiLU, and the argmax."""
+    if not dense(ops):
+        return
+    g = torch.Generator().manual_seed(m)
+    n, k = 1536, 576
+    x = torch.randn(m, k, generator=g).bfloat16()
+    packed = ops.amx_gemm_pack((torch.randn(n, k, generator=g) * 0.05).bfloat16())
+    bias = torch.randn(n, generator=g)
+    default = ops.gemm_prefetch_nta()
+    try:
+        outs = []
+        for nta in (True, False):
+            assert ops.gemm_prefetch_nta(nta) is nta
+            outs.append((ops.amx_gemm(x, packed, n, bias), ops.amx_gemm(x, packed, n, bias, True),
+                         ops.amx_gemm_argmax(x, packed, n, n - 5, bias)))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+    finally:
+        ops.gemm_prefetch_nta(default)

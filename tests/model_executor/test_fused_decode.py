@@ -237,7 +237,7 @@ def test_bit_identical_past_64_rows(silu_on_amx, plain_on_amx, tmp_path, monkeyp
     from keel.model_executor.layers import gemm_choice
 
     ops = get_cpu_ops()
-    if ops is not None and ops.amx_gemm_available():
+    if ops is not None and ops.amx_gemm_dense_available():
         monkeypatch.setattr(gemm_choice, "_keel_ops", ops)
         monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
     monkeypatch.setattr(amx_choice, "_amx_prompt_faster", silu_on_amx)

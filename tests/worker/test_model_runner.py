@@ -521,7 +521,7 @@ def test_greedy_step_takes_the_lm_heads_argmax_unless_a_grammar_is_in_the_batch(
 
     monkeypatch.setenv("KEEL_GREEDY_LM_HEAD", "1")
     ops = get_cpu_ops()
-    on_amx = ops is not None and ops.amx_gemm_available()
+    on_amx = ops is not None and ops.amx_gemm_dense_available()
     if on_amx:  # the AMX GEMM chosen (the engine measures it against oneDNN's)
         monkeypatch.setattr(gemm_choice, "_keel_ops", ops)
         monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)

@@ -272,16 +272,17 @@ def amx_compressed_copy_chosen(kind: str) -> bool:
     past L2), best of 8 alternated, and chosen only if 3% faster. The copies read fewer bytes
     but widen every weight in registers: on one AMX host the int4 copy took 9.6 ms for a
     step's layers against the bfloat16 copy's 12.1, on another 16.4-17.4 against 12.0-12.2
-    (BENCHMARKS.md, twentieth round). KEEL_AMX_COMPRESSED=0 / 1 skips the measurement."""
+    (BENCHMARKS.md, twentieth round). KEEL_AMX_COMPRESSED=0 / 1 skips the measurement. False
+    without AMX tiles (AVX512-BF16's dot products take the bfloat16 copy only)."""
+    from keel.cpu_ops import get_cpu_ops
+
+    ops = get_cpu_ops()
+    if ops is None or not ops.amx_gemm_available():  # the copies are widened on the tiles
+        return False
     if kind not in _compressed_faster:
         forced = gc.forced_choice("KEEL_AMX_COMPRESSED", "the bfloat16 copy",
                                 "the file's int4 / int8 blocks")
-        from keel.cpu_ops import get_cpu_ops
-
-        ops = get_cpu_ops()
-        if ops is None or not ops.amx_gemm_available():  # the copies are widened on the tiles
-            _compressed_faster[kind] = False
-        elif forced is not None:
+        if forced is not None:
             _compressed_faster[kind] = forced
         else:
             _compressed_faster[kind] = _time_compressed_copy(kind)

@@ -30,6 +30,11 @@
   float32 x @ W^T on int16 dot products, x and W scaled per block of 128 values of k, for
   CPUs with AVX512-VNNI and neither AMX tiles nor AVX512-FP16: dtype="auto" runs a float32
   model's GEMMs on it there (layers/gemm_choice.py fp16_gemm_chosen).
+- `amx_gemm_pack`, `amx_gemm`, `amx_gemm_argmax` (csrc/amx_gemm.cpp): bfloat16 x @ W^T over a
+  copy of the weight in AMX's tile layout, on the tiles; where the CPU has none but AVX512-BF16,
+  the same calls run that copy on `vdpbf16ps` (csrc/bf16_dot_gemm.cpp;
+  `amx_gemm_dense_available()`): `dtype="bfloat16"`'s decode GEMMs there instead of oneDNN's
+  (layers/amx_choice.py amx_gemm_chosen).
 - `DecodePlan` (csrc/decode_layers.cpp): a Llama-family model's decoder layers for a pass of
   decode rows, in one call: the kernels above and the layers' GEMMs (oneDNN through the
   dispatcher, or the quantized kernels) in the Python layers' order, without the

@@ -28,7 +28,8 @@ float32 rate on an Intel Xeon with AVX512-BF16 but no AMX, and at twice it on an
 with AVX512-BF16.
 
 Where the CPU has AMX tiles, keel's AMX GEMM takes bfloat16 layers' passes over a tile copy
-of their weights: those choices are amx_choice.py's.
+of their weights, and where it has AVX512-BF16 without tiles the same GEMM runs that copy on
+`vdpbf16ps` (csrc/bf16_dot_gemm.cpp): those choices are amx_choice.py's.
 
 Where it has AVX512-FP16 and no AMX tiles, dtype="auto" lets a float32 model's GEMMs run on
 float16 FMAs (csrc/fp16_gemm.cpp: x and W rounded to float16, float16 sums of at most 128

@@ -50,15 +50,6 @@ constexpr int64_t kBlockRows = 256;    // rows whose bfloat16 copy the pairs pas
 constexpr int64_t kWideRows = 256;     // from here items of two pairs by up to 6 rows
 constexpr int64_t kSliceElems = 1024;  // one slice of K (32 values) of a pair: two tiles
 
-// A line of the next item's weights: into L2, or non-temporally (`stream`: a decode pass on
-// AMD, keel::gemm_prefetch_nta, as i16_gemm's).
-inline void prefetch_weights(const char* p, bool stream) {
-  if (stream)
-    _mm_prefetch(p, _MM_HINT_NTA);
-  else
-    _mm_prefetch(p, _MM_HINT_T1);
-}
-
 // acc += the pairs' products of a and b, written out as i16_gemm's dpwssd is (through the
 // intrinsic GCC may copy each accumulator at every step).
 inline void dpbf16(__m512& acc, __m512i a, __m512i b) {
@@ -107,10 +98,10 @@ __attribute__((noinline)) void dot(const c10::BFloat16* x, int64_t K, const c10:
   const char* xb = reinterpret_cast<const char*>(x);
   for (int64_t kp = 0; kp < kpairs; ++kp) {
     if ((kp & 1) == 0 && pf < pf_end) {
-      prefetch_weights(pf, stream);
+      keel::prefetch_weights(pf, stream);
       pf += 64;
       if (two) {
-        prefetch_weights(pf, stream);
+        keel::prefetch_weights(pf, stream);
         pf += 64;
       }
     }

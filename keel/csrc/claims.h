@@ -61,6 +61,15 @@ __attribute__((always_inline)) inline void spread_prefetch(const char*& pf, int6
   }
 }
 
+// A line of a GEMM's next item's weights: into L2, or with the non-temporal hint (`stream`:
+// i16_gemm's and bf16_dot_gemm's decode passes where keel::gemm_prefetch_nta, vendor_choice.h).
+inline void prefetch_weights(const char* p, bool stream) {
+  if (stream)
+    _mm_prefetch(p, _MM_HINT_NTA);
+  else
+    _mm_prefetch(p, _MM_HINT_T1);
+}
+
 // f() once on each of `threads` of torch's threads (inline when threads <= 1 or when already
 // inside a parallel region); each call claims runs until none is left.
 template <typename F>

@@ -165,15 +165,6 @@ namespace {
 // rows its 120 decode GEMMs ran 1.03x slower than in pairs (BENCHMARKS.md, sixty-second round).
 constexpr int64_t kWideRows = 256;
 
-// A line of the next item's weights: into L2, or non-temporally (`stream`: a decode pass
-// where keel::gemm_prefetch_nta).
-inline void prefetch_weights(const char* p, bool stream) {
-  if (stream)
-    _mm_prefetch(p, _MM_HINT_NTA);
-  else
-    _mm_prefetch(p, _MM_HINT_T1);
-}
-
 // acc += the pairs' products of a and b (`vpdpwssd`), written out: through the intrinsic GCC
 // copied every accumulator to another register, and some through the stack, at each step.
 inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
@@ -205,10 +196,10 @@ __attribute__((noinline)) void block_dot(const int16_t* xq, int64_t ldx, const f
     for (int r = 0; r < R; ++r) c[p][r] = _mm512_setzero_si512();
   for (int64_t kp = kb; kp < ke; ++kp) {
     if ((kp & 1) == 0 && pf < pf_end) {  // the next item's weights (prefetch_weights)
-      prefetch_weights(pf, stream);
+      keel::prefetch_weights(pf, stream);
       pf += 64;
       if (two) {
-        prefetch_weights(pf, stream);
+        keel::prefetch_weights(pf, stream);
         pf += 64;
       }
     }

@@ -541,3 +541,54 @@ def test_non_temporal_weight_prefetch_gives_the_same_bits(ops, m):
             assert torch.equal(a, b)
     finally:
         ops.gemm_prefetch_nta(default)
+
+
+@pytest.mark.parametrize("dots_faster_at", [(64, 512), (64,), ()])
+def test_dots_are_measured_against_float32_where_onednn_bfloat16_is_slower(
+        ops, monkeypatch, dots_faster_at):
+    """Where oneDNN's bfloat16 GEMMs measure slower than float32 (an Intel Xeon with
+    AVX512-BF16 and no AMX), a CPU with AVX512-BF16 and no tiles also times keel's GEMM on its
+    dot products against the float32 GEMM a bfloat16 layer would take (keel's over the
+    bfloat16 weight), at 64 and at 512 rows: bfloat16 layers stay bfloat16 only where it wins
+    at both. Elsewhere nothing more is measured."""
+    calls, real_timer = [], linear_mod._gemm_timer
+
+    def fake_timer(dtype, kernel="onednn", rows=64, *args):
+        def run():
+            calls.append((dtype, kernel, rows))
+            if kernel == "amx":
+                return 1.0 if rows in dots_faster_at else 3.0
+            return 4.0 if (dtype, kernel) == (torch.bfloat16, "onednn") else 2.0
+        return run
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True,
+                        raising=False)
+    monkeypatch.setattr(linear_mod, "_gemm_timer", fake_timer)
+    monkeypatch.setattr(linear_mod, "_keel_gemm_faster", True)
+    monkeypatch.setattr(linear_mod, "_bf16_slower_than_fp32", None)
+    monkeypatch.setattr(amx_choice, "_dots_beat_float32", None)
+    monkeypatch.delenv("KEEL_AMX_GEMM", raising=False)
+    monkeypatch.delenv("KEEL_CPU_GEMM", raising=False)
+    in_float32 = linear_mod.bf16_gemm_in_float32(torch.zeros(64, 64, dtype=torch.bfloat16))
+    if not linear_mod._onednn_available():
+        return  # no oneDNN: float32 without measuring (test_packed_linear.py)
+    dots = [c for c in calls if c[1] == "amx"]
+    if ops.amx_gemm_available() or not dense(ops):
+        assert in_float32 and not dots
+        return
+    assert in_float32 == (dots_faster_at != (64, 512))
+    measured = [64] if 64 not in dots_faster_at else [64, 512]
+    from collections import Counter
+
+    # oneDNN's two precisions once (3 rounds), then the dots against keel's float32 GEMM over
+    # the bfloat16 weight, 5 rounds each, at 64 rows and (where that won) at 512.
+    assert Counter(calls) == Counter(
+        {(torch.float32, "onednn", 64): 3, (torch.bfloat16, "onednn", 64): 3,
+         **{(torch.bfloat16, k, r): 5 for k in ("amx", "keel") for r in measured}})
+    n = len(calls)
+    assert linear_mod.bf16_gemm_in_float32(torch.zeros(64, 64, dtype=torch.bfloat16)) == \
+        in_float32 and len(calls) == n  # once per process
+    # The real timings run (which side wins depends on the CPU).
+    monkeypatch.setattr(linear_mod, "_gemm_timer", real_timer)
+    monkeypatch.setattr(amx_choice, "_dots_beat_float32", None)
+    assert isinstance(amx_choice.bf16_dots_beat_float32(), bool)

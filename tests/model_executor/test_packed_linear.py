@@ -180,6 +180,7 @@ def test_keel_gemm_choice(monkeypatch, onednn_faster_by):
 def test_bf16_choice_is_measured_where_the_cpu_has_bf16(monkeypatch):
     """With native bfloat16 GEMMs the choice is a measurement, taken once per process: the
     slower precision loses."""
+    from keel.model_executor.layers import amx_choice
     from keel.model_executor.layers import gemm_choice as linear
 
     calls = []
@@ -191,6 +192,8 @@ def test_bf16_choice_is_measured_where_the_cpu_has_bf16(monkeypatch):
                         raising=False)
     monkeypatch.setattr(linear, "_gemm_timer", fake_timer)
     monkeypatch.setattr(linear, "_bf16_slower_than_fp32", None)
+    # (keel's GEMM on AVX512-BF16's dots, the other side of the choice, is test_amx_gemm.py's)
+    monkeypatch.setattr(amx_choice, "_dots_beat_float32", False)
     w = torch.zeros(4, 4, dtype=torch.bfloat16)
     assert linear.bf16_gemm_in_float32(w) and linear.bf16_gemm_in_float32(w)
     assert len(calls) == 6  # measured once: 3 rounds, each precision in turn

@@ -89,6 +89,42 @@ def amx_gemm_chosen() -> bool:
     return _amx_gemm_faster
 
 
+_dots_beat_float32: bool | None = None  # bf16_dots_beat_float32, measured once
+
+
+def bf16_dots_beat_float32() -> bool:
+    """Where oneDNN's bfloat16 GEMMs measured slower than float32 (gemm_choice.
+    bf16_gemm_in_float32 asks; an Intel Xeon with AVX512-BF16 but no AMX ran them at half the
+    float32 rate) and the CPU has AVX512-BF16 without AMX tiles: whether keel's GEMM on its dot
+    products (amx_gemm over its bfloat16 copy, csrc/bf16_dot_gemm.cpp) is faster than the
+    float32 GEMM a bfloat16 layer would take instead (keel's over the bfloat16 weight, or
+    oneDNN's over its upcast), at 64 rows and at 512, 5 rounds each in turn. Then bfloat16
+    layers stay bfloat16, and amx_gemm_chosen and the prompt-pass choices give their passes to
+    it as elsewhere. Once per process; False where KEEL_AMX_GEMM=0 or KEEL_CPU_GEMM is not
+    auto. Not measured on such a Xeon yet: this is what lets its load find out."""
+    global _dots_beat_float32
+    if _dots_beat_float32 is None:
+        _dots_beat_float32 = False
+        from keel.cpu_ops import get_cpu_ops
+
+        ops = get_cpu_ops()
+        if (os.environ.get("KEEL_AMX_GEMM", "1") != "0" and gc._gemm_mode() == "auto"
+                and ops is not None and not ops.amx_gemm_available()
+                and ops.amx_gemm_dense_available()):
+            gc._keel_ops = ops
+            # keel's float32 GEMM widens the bfloat16 weight in registers; oneDNN's gets its
+            # float32 upcast (packed_weights.pack_for_cpu_gemm).
+            other = ((torch.bfloat16, "keel") if gc.keel_gemm_chosen()
+                     else (torch.float32, "onednn"))
+            _dots_beat_float32 = all(
+                gc._first_faster((torch.bfloat16, "amx", rows), (*other, rows),
+                                 gc._CHOICE_ROUNDS)
+                for rows in (64, 512))
+            logger.info("bfloat16 weights: keel's GEMM on AVX512-BF16 dot products measured %s "
+                        "than the float32 GEMM", "faster" if _dots_beat_float32 else "slower")
+    return _dots_beat_float32
+
+
 def amx_prompt_chosen(silu: bool) -> bool:
     """Whether passes of more than AMX_GEMM_MAX_ROWS rows (prompt chunks) also run on keel's
     AMX GEMM, over a layer's bfloat16 tile copy (never a widened int4 or int8 one), where it

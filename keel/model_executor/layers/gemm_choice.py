@@ -25,7 +25,9 @@ oneDNN's is given the weight's float32 upcast. Either way the result is the bflo
 (float32 accumulation, one rounding). Where the CPU has native bfloat16 GEMMs, they and
 float32 are timed once at load and the faster kept: native bfloat16 GEMMs ran at half the
 float32 rate on an Intel Xeon with AVX512-BF16 but no AMX, and at twice it on an AMD EPYC
-with AVX512-BF16.
+with AVX512-BF16. Where oneDNN's measure slower and the CPU has AVX512-BF16 without AMX
+tiles, keel's bfloat16 GEMM on its dot products (csrc/bf16_dot_gemm.cpp) is timed against
+float32 too, and the layers stay bfloat16 where it wins (amx_choice.bf16_dots_beat_float32).
 
 Where the CPU has AMX tiles, keel's AMX GEMM takes bfloat16 layers' passes over a tile copy
 of their weights, and where it has AVX512-BF16 without tiles the same GEMM runs that copy on
@@ -213,7 +215,9 @@ def int16_attention_chosen() -> bool:
 
 def bf16_gemm_in_float32(weight: torch.Tensor) -> bool:
     """Whether a bfloat16 weight is computed in float32 (see the module docstring): always
-    without native bfloat16 GEMMs, else when they measure slower."""
+    without native bfloat16 GEMMs, else when oneDNN's measure slower, unless keel's GEMM on
+    AVX512-BF16's dot products (a CPU without AMX tiles) measures faster than float32 at both
+    a decode's and a prompt chunk's rows (amx_choice.bf16_dots_beat_float32)."""
     global _bf16_slower_than_fp32
     if not (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and _gemm_mode() != "torch"):
@@ -221,7 +225,13 @@ def bf16_gemm_in_float32(weight: torch.Tensor) -> bool:
     if not (_onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return True
     if _bf16_slower_than_fp32 is None:
+        from keel.model_executor.layers.amx_choice import bf16_dots_beat_float32
+
         _bf16_slower_than_fp32 = _first_faster((torch.float32,), (torch.bfloat16,))
+        # oneDNN's bfloat16 slower, but keel's own on AVX512-BF16's dots may not be: then the
+        # layers stay bfloat16 and their passes go to it (amx_choice.amx_gemm_chosen).
+        if _bf16_slower_than_fp32 and bf16_dots_beat_float32():
+            _bf16_slower_than_fp32 = False
         logger.info("bfloat16 weights: GEMMs in %s (measured faster on this CPU)",
                     "float32" if _bf16_slower_than_fp32 else "bfloat16")
     return _bf16_slower_than_fp32

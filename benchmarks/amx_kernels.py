@@ -12,7 +12,9 @@
 
     .venv/bin/python benchmarks/amx_kernels.py
 
-On a CPU without AMX tiles the AMX columns say so and the rest is measured.
+On a CPU without AMX tiles the AMX columns say so and the rest is measured; where it has
+AVX512-BF16 instead, the bfloat16 copy's columns are keel's GEMM on its dot products
+(csrc/bf16_dot_gemm.cpp), which amx_gemm runs there.
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ def main() -> None:
     assert ops is not None, "keel's CPU kernels did not build here"
     amx_attn = ops.prefill_attention_amx_available()
     amx_gemm = ops.amx_gemm_available()
+    # The bfloat16 copy also runs without tiles, on AVX512-BF16's dot products (bf16_dot_gemm).
+    dense = ops.amx_gemm_dense_available()
     print(f"# {cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-          f"AMX attention {'yes' if amx_attn else 'no'}, AMX GEMM {'yes' if amx_gemm else 'no'}")
+          f"AMX attention {'yes' if amx_attn else 'no'}, AMX GEMM {'yes' if amx_gemm else 'no'}"
+          + ("" if amx_gemm or not dense else ", its bfloat16 copy on vdpbf16ps"))
     torch.manual_seed(0)
     bf = torch.bfloat16
 
@@ -79,14 +84,14 @@ def main() -> None:
                 + m.float()[..., None]).view(n, k).to(bf)
                for (n, k), (q8, d, m) in zip(shapes, ((_unpack(p), d, m) for p, d, m in int4))]
     onednn = [pack_weight(w) for w in weights]
-    tiles = [ops.amx_gemm_pack(w) for w in weights] if amx_gemm else []
+    tiles = [ops.amx_gemm_pack(w) for w in weights] if dense else []
     tiles4 = ([ops.amx_gemm_pack_int4(*c, w) for c, w in zip(int4, weights)]
               if amx_gemm else [])
     mb = sum(w.numel() * 2 for w in weights) / 1e6
     print(f"\na decode step's GEMMs (30 layers, {mb:.0f} MB of bfloat16 weights), ms")
     print("  rows  weights   oneDNN  AMX bf16 copy  AMX int4 copy")
     def gemms(rows: int, kind: str, hot: bool) -> float:
-        if kind != "onednn" and not amx_gemm:
+        if (kind == "amx" and not dense) or (kind == "amx4" and not amx_gemm):
             return float("nan")
         xs = {k: torch.randn(rows, k).to(bf) for k in (576, 1536)}
         idx = [i % 4 for i in range(120)] if hot else range(120)
@@ -121,9 +126,11 @@ def main() -> None:
         return sorted(ts)[len(ts) // 2] * 1e3
 
     fns = {"oneDNN": lambda: packed_linear(x, packed)}
-    if amx_gemm:
-        head_tiles, head8 = ops.amx_gemm_pack(head), ops.amx_gemm_pack_int8(q, d, head)
+    if dense:
+        head_tiles = ops.amx_gemm_pack(head)
         fns["AMX bf16 copy"] = lambda: ops.amx_gemm(x, head_tiles, 49152)
+    if amx_gemm:
+        head8 = ops.amx_gemm_pack_int8(q, d, head)
         fns["AMX int8 copy"] = lambda: ops.amx_gemm(x, head8, 49152)
     for cold in (True, False):
         print(f"  LM head 64 x 49152 x 576, {'from memory' if cold else 'in cache'}: "

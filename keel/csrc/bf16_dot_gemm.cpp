@@ -15,7 +15,9 @@
 // set-up; BENCHMARKS.md, sixty-sixth round). This kernel is i16_gemm's schedule -- threads
 // claiming runs of items (claims.h run_panel_groups), each tile prefetching a share of the
 // next item's weights -- with bfloat16 pairs instead of int16 ones: no scales, no blocks of k,
-// and x needs no conversion (its rows are read as they are).
+// and x needs no conversion (its rows are read as they are). In the engine the bfloat16
+// decode step at 64 requests took 0.90x the time on short contexts and 0.92x on long ones,
+// and the 120 decode GEMMs from memory 0.90x at 64 rows (sixty-seventh round).
 //
 // The layout is amx_gemm_pack's: pairs of 16-column tiles, [N / 32][K / 32][2][16][32]; a
 // tile's row p holds (w[k][c], w[k + 1][c]) for its 16 columns c, k = 32 s + 2 p, which is

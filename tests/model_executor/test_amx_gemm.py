@@ -592,3 +592,35 @@ def test_dots_are_measured_against_float32_where_onednn_bfloat16_is_slower(
     monkeypatch.setattr(linear_mod, "_gemm_timer", real_timer)
     monkeypatch.setattr(amx_choice, "_dots_beat_float32", None)
     assert isinstance(amx_choice.bf16_dots_beat_float32(), bool)
+
+
+def test_a_layer_without_its_copy_is_computed_in_float32_where_the_dots_chose_bfloat16(
+        ops, monkeypatch):
+    """Where bfloat16 layers stay bfloat16 only because keel's GEMM on AVX512-BF16's dots beat
+    float32 (bf16_dots_beat_float32; oneDNN's bfloat16 measured slower), a layer that gets no
+    copy (here: the copies' memory budget spent) is computed in float32 on keel's GEMM, as it
+    was before, not on oneDNN's slower bfloat16; with its copy it keeps oneDNN's packed weight
+    beside it for the longer passes. Both match the dense product."""
+    if not dense(ops) or ops.amx_gemm_available():
+        return  # (AMX tiles, or no AVX512-BF16: the dots never decide this)
+    monkeypatch.setattr(linear_mod, "_keel_ops", ops)
+    monkeypatch.setattr(linear_mod, "_keel_gemm_faster", True)
+    monkeypatch.setattr(linear_mod, "_bf16_slower_than_fp32", False)
+    monkeypatch.setattr(amx_choice, "_dots_beat_float32", True)
+    monkeypatch.setattr(amx_choice, "_amx_gemm_faster", True)
+    for name in ("_amx_prompt_faster", "_amx_long_faster", "_amx_plain_prompt_faster",
+                 "_amx_plain_long_faster"):
+        monkeypatch.setattr(amx_choice, name, False)
+    for budget, packed_by in ((1 << 30, "onednn"), (-1, "keel")):
+        monkeypatch.setattr(amx_choice, "_amx_bytes_left", budget)
+        layer = ColumnParallelLinear(96, 80, bias=True, dtype=torch.bfloat16)
+        torch.nn.init.normal_(layer.weight, std=0.05)
+        torch.nn.init.normal_(layer.bias)
+        dense_w, dense_b = layer.weight.detach().clone(), layer.bias.detach().clone()
+        pack_for_cpu_gemm(layer)
+        assert layer.packed_by == packed_by
+        assert (getattr(layer, "amx_weight", None) is not None) == (packed_by == "onednn")
+        for rows in (4, 100):
+            x = torch.randn(rows, 96).bfloat16()
+            want = reference(x, dense_w, dense_b)
+            assert ((layer(x).float() - want).abs() <= 1e-2 * want.abs() + 2e-2).all()

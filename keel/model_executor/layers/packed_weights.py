@@ -112,6 +112,13 @@ def pack_for_cpu_gemm(module: nn.Module, release_dense: bool = True, amx: bool =
                 and _keep_tile_copy(module, lambda order: _amx_copy(module, w.detach(), order)):
             for silu in (True, False):  # all measured now, at load, not in a prompt
                 amx_choice.amx_long_chosen(silu)
+        elif w.dtype == torch.bfloat16 and amx_choice._dots_beat_float32:
+            # bfloat16 only for keel's GEMM on AVX512-BF16's dots (oneDNN's measured slower
+            # than float32): a layer without its copy (the copies' memory budget spent, a
+            # shape it does not take) is computed in float32, as it was before.
+            module.packed_weight, module.packed_by = (
+                (choice._keel_ops.gemm_pack(w.detach()), "keel") if choice.keel_gemm_chosen()
+                else (choice.pack_weight(w.float()), "onednn-upcast"))
         module.amx_int4 = None  # a converted folder's int4 groups were only for the copy
     else:
         return

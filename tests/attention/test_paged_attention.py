@@ -157,6 +157,15 @@ def test_long_chunks_go_one_by_one(monkeypatch, prefill_kernel, window, dtype, t
             chunks.append((query.shape[0], key.shape[0]))
             return real.prefill_attention_amx(query, key, *args)
 
+        # (a bfloat16 chunk without AMX tiles, where the build has AVX512-VNNI:
+        # chunk_kernels.bfloat16_chunks_on_int16)
+        def prefill_attention_i16_available(self):
+            return real.prefill_attention_i16_available()
+
+        def prefill_attention_i16(self, query, key, *args):
+            chunks.append((query.shape[0], key.shape[0]))
+            return real.prefill_attention_i16(query, key, *args)
+
     monkeypatch.setattr(torch_paged, "get_cpu_ops", Kernel)
     # Request 0: a 9-token prompt; 1: 6 queries (kernel); 2, 3: decodes; 4: a 12-query chunk
     # after 18 tokens of context.

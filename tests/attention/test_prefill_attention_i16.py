@@ -256,3 +256,32 @@ def test_a_nan_reaches_the_outputs_it_would_in_float32(ops):
     others = torch.ones(D, dtype=torch.bool)
     others[9] = False
     assert not nan[:7, 2:][..., others].any() and not nan[8:, 2:][..., others].any()
+
+
+def test_bfloat16_chunks_take_it_without_amx_tiles(ops, monkeypatch):
+    """A bfloat16 model's long chunks run on int16 dot products wherever the build has
+    AVX512-VNNI and the CPU no AMX tiles, its GEMMs on whatever they are
+    (chunk_kernels.bfloat16_chunks_on_int16); KEEL_I16_ATTENTION=0 keeps the float32 kernel;
+    float32 chunks only where the layer says so (dtype="auto"'s int16 GEMMs); with AMX tiles,
+    the tiles' choice as before. The same kernel's output in both engines' paths."""
+    from keel import dtypes
+    from keel.attention.backends import chunk_kernels
+
+    vnni = ops.prefill_attention_i16_available()
+    name = chunk_kernels.chunk_kernel_name
+    monkeypatch.delenv("KEEL_I16_ATTENTION", raising=False)
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: False)
+    i16 = "prefill_attention_i16" if vnni else "prefill_attention"
+    assert name(ops, torch.bfloat16, 9, 3, 64) == i16
+    assert name(ops, torch.float32, 9, 3, 64) == "prefill_attention"
+    assert name(ops, torch.float32, 9, 3, 64, int16=True) == i16
+    assert name(ops, torch.bfloat16, 9, 3, 40) is None  # a head size no kernel takes: SDPA
+    monkeypatch.setenv("KEEL_I16_ATTENTION", "0")
+    assert name(ops, torch.bfloat16, 9, 3, 64) == "prefill_attention"
+    monkeypatch.setenv("KEEL_I16_ATTENTION", "maybe")
+    with pytest.raises(ValueError, match="KEEL_I16_ATTENTION"):
+        name(ops, torch.bfloat16, 9, 3, 64)
+    monkeypatch.delenv("KEEL_I16_ATTENTION")
+    monkeypatch.setattr(dtypes, "cpu_has_amx_bfloat16", lambda: True)
+    monkeypatch.setattr(chunk_kernels, "long_chunk_kernel", lambda *a: "prefill_attention_amx")
+    assert name(ops, torch.bfloat16, 9, 3, 64) == "prefill_attention_amx"

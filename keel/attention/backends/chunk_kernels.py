@@ -54,17 +54,34 @@ def long_chunk_kernel(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int
     return _long_chunk_kernels[key]
 
 
+def bfloat16_chunks_on_int16() -> bool:
+    """Whether a bfloat16 model's long chunks run on int16 dot products
+    (prefill_attention_i16, where the build has AVX512-VNNI) even where its GEMMs do not: on a
+    CPU without AMX tiles (which have their own bfloat16 kernel), unless KEEL_I16_ATTENTION=0.
+    Over bfloat16 queries, keys and values the float32 kernel's arithmetic is exact but its
+    output is rounded to bfloat16, and that rounding is most of either kernel's error: on
+    random chunks 1.42e-3 mean relative error against 1.39e-3. A long prompt phase of
+    `dtype="bfloat16"` took 0.953x the time with it on an AMD EPYC Zen 4 (BENCHMARKS.md,
+    sixty-seventh round)."""
+    from keel.model_executor.layers.gemm_choice import forced_choice
+
+    forced = forced_choice("KEEL_I16_ATTENTION", "float32 FMAs", "int16 dot products")
+    return forced is not False and not dtypes.cpu_has_amx_bfloat16()
+
+
 def chunk_kernel_name(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                       head_dim: int, int16: bool = False) -> str | None:
     """The name of keel's kernel that takes a long chunk of this shape (dense rows of one
     dtype), or None for torch's SDPA. The fused pass (layers/fused_decode.py) asks the same.
     int16: the layer's prompt attention may run on int16 dot products
     (Attention.int16_prompt_attention: dtype="auto" with its GEMMs on i16_gemm or fp16_gemm),
-    which prefill_attention_i16 does where the build has AVX512-VNNI."""
+    which prefill_attention_i16 does where the build has AVX512-VNNI; a bfloat16 chunk may
+    without AMX tiles too (bfloat16_chunks_on_int16)."""
     if (not PREFILL_KERNEL or dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or head_dim % 16 != 0):
         return None
-    if (int16 and dtype in (torch.float32, torch.bfloat16) and num_heads // num_kv_heads <= 16
+    if ((int16 or (dtype == torch.bfloat16 and bfloat16_chunks_on_int16()))
+            and dtype in (torch.float32, torch.bfloat16) and num_heads // num_kv_heads <= 16
             and ops.prefill_attention_i16_available()):
         return "prefill_attention_i16"
     name = long_chunk_kernel(ops, dtype, num_heads, num_kv_heads, head_dim)

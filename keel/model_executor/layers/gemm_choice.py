@@ -203,7 +203,8 @@ def int16_attention_chosen() -> bool:
     bfloat16 K/V (benchmarks/prefill_attention_i16.py), and it ran 1.3-1.5x the float32
     kernel's speed on an AMD EPYC Zen 4 (BENCHMARKS.md, sixty-third round).
     KEEL_I16_ATTENTION=0 / 1 forces it (1: for any float32 or bfloat16 model, where the build
-    has AVX512-VNNI)."""
+    has AVX512-VNNI). A bfloat16 model's chunks take it without this layer flag too, on a CPU
+    without AMX tiles (attention/backends/chunk_kernels.py bfloat16_chunks_on_int16)."""
     from keel.cpu_ops import get_cpu_ops
 
     forced = forced_choice("KEEL_I16_ATTENTION", "float32 FMAs", "int16 dot products")

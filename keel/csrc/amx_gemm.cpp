@@ -291,17 +291,6 @@ bool check_amx_gemm(const char* name, const at::Tensor& x, const at::Tensor& pac
   return has_bias;
 }
 
-// The bias as bf16_dot_gemm takes it: float32 or bfloat16 (or neither).
-struct Biases {
-  const float* f = nullptr;
-  const c10::BFloat16* h = nullptr;
-};
-Biases biases(const std::optional<at::Tensor>& bias, bool has_bias) {
-  if (!has_bias) return {};
-  if (bias->scalar_type() == at::kFloat) return {bias->data_ptr<float>(), nullptr};
-  return {nullptr, bias->data_ptr<c10::BFloat16>()};
-}
-
 #if KEEL_AMX
 // x @ W^T over any of the three copies into op [M, n] (or [M, n / 2] with silu_mul), or, with
 // `argmax` (Argmax), each row's argmax into it instead. M > 0.
@@ -365,8 +354,7 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t n, std::optional<at
   at::Tensor out = at::empty({M, silu_mul ? n / 2 : n}, x.options());
   if (M == 0) return out;
   if (!amx_gemm_available()) {  // the dense copy on AVX512-BF16's dot products
-    const Biases b = biases(bias, has_bias);
-    bf16_dot_gemm(x, packed, n, b.f, b.h, silu_mul, out.data_ptr<c10::BFloat16>(), nullptr);
+    bf16_dot_gemm(x, packed, n, bias, silu_mul, out.data_ptr<c10::BFloat16>(), nullptr);
     return out;
   }
 #if KEEL_AMX
@@ -392,8 +380,7 @@ at::Tensor amx_gemm_argmax(at::Tensor x, at::Tensor packed, int64_t n, int64_t n
   sink.value.assign(M, 0.f);
   sink.index.assign(M, -1);
   if (!amx_gemm_available()) {  // the dense copy on AVX512-BF16's dot products
-    const Biases b = biases(bias, has_bias);
-    bf16_dot_gemm(x, packed, n, b.f, b.h, false, nullptr, &sink);
+    bf16_dot_gemm(x, packed, n, bias, false, nullptr, &sink);
   } else {
 #if KEEL_AMX
     run_amx_gemm<true>(x, packed, n, bias, has_bias, false, nullptr, &sink);

@@ -62,12 +62,20 @@ inline void dpbf16(__m512& acc, __m512i a, __m512i b) {
 inline __m512 round_bf16(__m512 v, __m256i* bits = nullptr) {
   const __m256bh b = _mm512_cvtneps_pbh(v);
   if (bits != nullptr) *bits = (__m256i)b;
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)b), 16));
+  return _mm512_cvtpbh_ps(b);
 }
 
+// The bias, float32 or bfloat16 (or neither), as amx_gemm takes it.
 struct Bias {
   const float* f = nullptr;
   const c10::BFloat16* h = nullptr;
+  explicit Bias(const std::optional<at::Tensor>& bias) {
+    if (!bias.has_value() || !bias->defined()) return;
+    if (bias->scalar_type() == at::kFloat)
+      f = bias->data_ptr<float>();
+    else
+      h = bias->data_ptr<c10::BFloat16>();
+  }
   // v plus the bias of columns [c, c + 16), as amx_gemm_tiles adds it.
   inline __m512 add(__m512 v, int64_t c) const {
     if (f != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(f + c));
@@ -239,14 +247,14 @@ void run_groups(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat1
 
 }  // namespace
 
-void bf16_dot_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* bias_f,
-                   const c10::BFloat16* bias_h, bool silu, c10::BFloat16* out,
+void bf16_dot_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                   const std::optional<at::Tensor>& bias_opt, bool silu, c10::BFloat16* out,
                    keel::ArgmaxSink* argmax) {
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
   const c10::BFloat16* w = packed.data_ptr<c10::BFloat16>();
-  const Bias bias{bias_f, bias_h};
+  const Bias bias(bias_opt);
   if (M >= kWideRows)
     run_groups<4, 6>(xp, M, K, w, n, bias, silu, out, argmax);
   else
@@ -256,8 +264,8 @@ void bf16_dot_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, con
 #else  // no AVX512-BF16
 
 bool bf16_dot_gemm_available() { return false; }
-void bf16_dot_gemm(const at::Tensor&, const at::Tensor&, int64_t, const float*,
-                   const c10::BFloat16*, bool, c10::BFloat16*, keel::ArgmaxSink*) {
+void bf16_dot_gemm(const at::Tensor&, const at::Tensor&, int64_t,
+                   const std::optional<at::Tensor>&, bool, c10::BFloat16*, keel::ArgmaxSink*) {
   TORCH_CHECK(false, "bf16_dot_gemm needs AVX512-BF16 (bf16_dot_gemm_available() is false)");
 }
 

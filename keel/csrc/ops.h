@@ -128,11 +128,11 @@ bool gemm_prefetch_nta(std::optional<bool> set = std::nullopt);
 // amx_gemm_argmax run on where the CPU has no AMX tiles: x [M, K] bfloat16 (M > 0) against
 // amx_gemm_pack's `packed` for N = n into `out` [M, n] (silu: [M, n / 2]), the bias float32
 // or bfloat16 (or none), or, with `argmax`, each row's argmax into it; amx_gemm's checks
-// made by the caller.
+// (check_amx_gemm, the bias's too) made by the caller.
 namespace keel {
 struct ArgmaxSink;
 }
-void bf16_dot_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* bias_f,
-                   const c10::BFloat16* bias_h, bool silu, c10::BFloat16* out,
+void bf16_dot_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                   const std::optional<at::Tensor>& bias, bool silu, c10::BFloat16* out,
                    keel::ArgmaxSink* argmax);
 bool bf16_dot_gemm_available();

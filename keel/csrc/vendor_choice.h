@@ -1,8 +1,8 @@
 // A kernel setting chosen by the CPU's vendor, once a process: the decode attention's prefetch
 // into L2 (paged_attention_common.h) and the GEMMs' non-temporal weight prefetch in decode
 // passes (gemm_prefetch_nta: i16_gemm.cpp, bf16_dot_gemm.cpp), each on for AMD and off
-// elsewhere, unless its environment variable is "0" or "1". Each caller keeps its setting in
-// an atomic, so that a test may change it while a kernel's threads read it.
+// elsewhere, unless its environment variable is "0" or "1". Each setting is held in an atomic,
+// so that a test may change it while a kernel's threads read it.
 #pragma once
 
 #include <atomic>

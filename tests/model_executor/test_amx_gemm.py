@@ -382,7 +382,6 @@ def test_prompt_mlp_timing_runs(ops, monkeypatch):
     """The real measurements time both kernels' MLP and plain GEMMs (which is faster depends
     on the CPU)."""
     monkeypatch.setattr(linear_mod, "_keel_ops", ops)
-    assert dense(ops) or not ops.amx_gemm_available()
     if not dense(ops):
         return
     for kernel in ("amx", "onednn"):

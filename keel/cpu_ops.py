@@ -68,7 +68,8 @@ _SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp",
             "prefill_attention_amx.cpp", "prefill_attention_i16.cpp",
             "fused_ops.cpp", "write_kv_cache.cpp",
             "quant_gemm.cpp", "quant_gemm_q8.cpp", "decode_layers.cpp", "gemm.cpp",
-            "amx_gemm.cpp", "bf16_dot_gemm.cpp", "fp16_gemm.cpp", "i16_gemm.cpp")
+            "amx_gemm.cpp", "bf16_dot_gemm.cpp", "fp16_gemm.cpp", "greedy_head.cpp",
+            "i16_gemm.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 _MARCH_ENV = "KEEL_CPU_MARCH"
 _module: Any = None

@@ -240,6 +240,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "written", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"),
         pybind11::arg("n"), pybind11::arg("n_valid"), pybind11::arg("bias") = pybind11::none());
   m.def("i16_gemm_available", &i16_gemm_available, "built with AVX512-VNNI");
+  m.def("greedy_head_pack", &greedy_head_pack,
+        "W [N, K] (float32 / bfloat16, K a multiple of 32) as greedy_head's int8 panels, their "
+        "per-block scales, and the columns' norms for the bound");
+  m.def("greedy_head", &greedy_head,
+        "each row's argmax over columns [0, n_valid) of x @ W^T (float32, or bfloat16-rounded), "
+        "screened on int8 dot products and computed exactly where the bound cannot rule a "
+        "column out; (token ids, columns computed exactly per row, -1: all)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"),
+        pybind11::arg("norms"), pybind11::arg("weight"), pybind11::arg("n_valid"),
+        pybind11::arg("round_bf16") = false, pybind11::arg("cap") = 256);
+  m.def("greedy_head_available", &greedy_head_available, "built with AVX512-VNNI");
   m.def("gemm_prefetch_nta", &gemm_prefetch_nta,
         "whether i16_gemm's and bf16_dot_gemm's decode passes prefetch the next weights "
         "non-temporally (else into L2); set= changes it for this process", py::arg("set") = py::none());

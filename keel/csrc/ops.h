@@ -121,6 +121,17 @@ at::Tensor i16_gemm(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t 
 at::Tensor i16_gemm_argmax(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t n,
                            int64_t n_valid, std::optional<at::Tensor> bias);
 bool i16_gemm_available();
+// A greedy LM head (greedy_head.cpp): each row's argmax over columns [0, n_valid) of
+// x @ W^T in float32 (bfloat16-rounded with round_bf16), found by screening the columns with
+// int8 dot products (W's by greedy_head_pack) and a rigorous bound on their error, then
+// computing exactly only the columns the bound cannot rule out (at most `cap` a row, else the
+// whole row); returns the token ids and how many columns each row computed exactly (-1: all).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_head_pack(at::Tensor weight);
+std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor packed,
+                                               at::Tensor scales, at::Tensor norms,
+                                               at::Tensor weight, int64_t n_valid,
+                                               bool round_bf16, int64_t cap);
+bool greedy_head_available();
 // Whether i16_gemm's and bf16_dot_gemm's decode passes prefetch weights non-temporally
 // (set= changes it; vendor_choice.h).
 bool gemm_prefetch_nta(std::optional<bool> set = std::nullopt);

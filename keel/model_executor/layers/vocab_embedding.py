@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,6 +55,27 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out.masked_fill(mask[:, None], 0))
 
 
+# Candidate columns a row may hold per thread while the screening runs (greedy_head's `cap`):
+# past it the row's every column is computed exactly. On the default model's hidden states of
+# random-token prompts 1,024 left 12 rows of 512 whole, 4,096 none (sixty-eighth round).
+_GREEDY_HEAD_CAP = 4096
+
+
+def greedy_head_chosen() -> bool:
+    """Whether a greedy step's LM head screens the vocabulary on int8 dot products
+    (csrc/greedy_head.cpp): where keel's kernels have AVX512-VNNI and the CPU has no AMX tiles
+    (keel's AMX GEMM is faster there). `KEEL_GREEDY_HEAD=0` keeps the head's own GEMM."""
+    mode = os.environ.get("KEEL_GREEDY_HEAD", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"KEEL_GREEDY_HEAD must be 0 or 1, got {mode!r}.")
+    if mode == "0":
+        return False
+    from keel.cpu_ops import get_cpu_ops
+
+    ops = get_cpu_ops()
+    return ops is not None and ops.greedy_head_available() and not ops.amx_gemm_available()
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """The vocabulary projection. Shares its weight with the embedding when `tied`."""
 
@@ -66,6 +89,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         # A GGUF Q8_0 head's own (q int8 [N, K], d [N, K / 32]), set by quantize_model where
         # the AMX GEMM is chosen: the AMX copy is made from it, then it is dropped.
         self.q8_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+        # greedy_head_pack's (int8 panels, scales, norms) of the weight, where a greedy step's
+        # tokens are found by screening (greedy_token_ids); the dense weight stays beside it.
+        self.greedy_screen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def process_weights_after_loading(self) -> None:
         """Pack for the CPU's GEMM (see gemm_choice.py). A tied weight stays: the embedding
@@ -90,11 +116,28 @@ class ParallelLMHead(VocabParallelEmbedding):
         # (benchmarks/kernel_ab.py, BENCHMARKS.md forty-ninth round).
         pack_for_cpu_gemm(self, release_dense=not self.tied,
                           amx=self.amx_weight is None and self.tp_size == 1)
+        # A greedy step's tokens by int8 screening and exact rescoring over the dense weight,
+        # which a tied head keeps anyway: at 64 rows ~0.75-0.8x the time of the head's own GEMM
+        # with its argmax, at one row ~0.5-0.75x (BENCHMARKS.md, sixty-eighth round).
+        if (self.tied and self.tp_size == 1 and self.quant is None and w.shape[1] % 32 == 0
+                and w.dtype in (torch.float32, torch.bfloat16) and greedy_head_chosen()):
+            from keel.cpu_ops import get_cpu_ops
+
+            self.greedy_screen = get_cpu_ops().greedy_head_pack(w)
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """compute_logits(hidden).argmax(-1) [n] int64 without the logits, where the head runs
         on keel's AMX GEMM for these rows (the argmax in its epilogue, over the same bfloat16
         values); None elsewhere, for the caller to compute the logits."""
+        if self.greedy_screen is not None and hidden.dim() == 2 and hidden.shape[0] > 0 \
+                and hidden.dtype in (torch.float32, torch.bfloat16):
+            # The argmax of the float32 logits (bfloat16-rounded for a bfloat16 pass, as its
+            # GEMM rounds them), ties to the first, as torch's argmax.
+            from keel.cpu_ops import get_cpu_ops
+
+            return get_cpu_ops().greedy_head(
+                hidden, *self.greedy_screen, self.weight, self.num_embeddings,
+                round_bf16=hidden.dtype == torch.bfloat16, cap=_GREEDY_HEAD_CAP)[0]
         if self.tp_size > 1 or self.packed_weight is None or (
                 self.quant is not None and uses_kernel(self.quant, hidden, True)):
             return None

@@ -360,8 +360,11 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor packed,
       bool finite = true;
       for (int64_t b = 0; b < blocks; ++b) {
         float amax = 0.0f;
-        for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(row[b * kBlock + i]));
-        if (!(amax < INFINITY)) finite = false;  // inf or NaN
+        for (int64_t i = 0; i < kBlock; ++i) {
+          const float v = row[b * kBlock + i];
+          finite = finite && std::isfinite(v);
+          amax = std::max(amax, std::fabs(v));
+        }
         const float s = finite ? amax / kQ8 : 0.0f;
         int32_t sum = 0;
         for (int64_t i = 0; i < kBlock; ++i) {

@@ -35,6 +35,11 @@
   the same calls run that copy on `vdpbf16ps` (csrc/bf16_dot_gemm.cpp;
   `amx_gemm_dense_available()`): `dtype="bfloat16"`'s decode GEMMs there instead of oneDNN's
   (layers/amx_choice.py amx_gemm_chosen).
+- `greedy_head_pack`, `greedy_head` (csrc/greedy_head.cpp, AVX512-VNNI;
+  `greedy_head_available()`): a greedy step's tokens without all the logits: every column of the
+  LM head screened on int8 dot products (per-block scales) with a rigorous bound on their error,
+  then the exact float32 logits of the columns the bound cannot rule out; a tied head takes it
+  where the CPU has no AMX tiles (layers/vocab_embedding.py greedy_head_chosen).
 - `DecodePlan` (csrc/decode_layers.cpp): a Llama-family model's decoder layers for a pass of
   decode rows, in one call: the kernels above and the layers' GEMMs (oneDNN through the
   dispatcher, or the quantized kernels) in the Python layers' order, without the

@@ -119,8 +119,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         # A greedy step's tokens by int8 screening and exact rescoring over the dense weight,
         # which a tied head keeps anyway: at 64 rows ~0.75-0.8x the time of the head's own GEMM
         # with its argmax, at one row ~0.5-0.75x (BENCHMARKS.md, sixty-eighth round).
-        if (self.tied and self.tp_size == 1 and self.quant is None and w.shape[1] % 32 == 0
-                and w.dtype in (torch.float32, torch.bfloat16) and greedy_head_chosen()):
+        if (greedy_head_chosen() and self.tied and self.tp_size == 1 and self.quant is None
+                and w.shape[1] % 32 == 0 and w.dtype in (torch.float32, torch.bfloat16)):
             from keel.cpu_ops import get_cpu_ops
 
             self.greedy_screen = get_cpu_ops().greedy_head_pack(w)

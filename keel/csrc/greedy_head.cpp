@@ -146,50 +146,6 @@ inline void dpbusd(__m512i& acc, __m512i w, const int8_t* x) {
           : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
 }
 
-// The screening logits of R rows (x int8, `k` values a row; each block's scale sx and starting
-// sum xi, `blocks` a row) against P panels (the first at w, the next `pstride` bytes on; their
-// scales ws, the next `sstride` floats on) into f [R][P][16]. Nothing but this in here, so that
-// the accumulators live in registers.
-template <int R, int P>
-__attribute__((noinline)) void screen(const int8_t* xq, int64_t k, const float* sx,
-                                      const int32_t* xi, int64_t blocks, const uint8_t* w,
-                                      int64_t pstride, const float* ws, int64_t sstride,
-                                      float (*f)[2][kCols], const char* pf,
-                                      const char* pf_end, bool stream) {
-  // The tile's share of the next item's weights, a line or two every four values of k.
-  const int64_t steps = blocks * kQuads;
-  const int per_step = (pf_end - pf + 63) / 64 > steps ? 2 : 1;
-  __m512 acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512i c[R][P];
-    for (int r = 0; r < R; ++r)
-      for (int p = 0; p < P; ++p) c[r][p] = _mm512_set1_epi32(xi[r * blocks + b]);
-    const uint8_t* wb = w + b * kQuads * 4 * kCols;
-    const int8_t* xb = xq + b * kBlock;
-#pragma GCC unroll 8
-    for (int64_t q = 0; q < kQuads; ++q) {
-      for (int i = 0; i < per_step && pf < pf_end; ++i, pf += 64)
-        keel::prefetch_weights(pf, stream);
-      __m512i wv[P];
-      for (int p = 0; p < P; ++p)
-        wv[p] = _mm512_load_si512(wb + p * pstride + q * 4 * kCols);
-      for (int r = 0; r < R; ++r)
-        for (int p = 0; p < P; ++p) dpbusd(c[r][p], wv[p], xb + r * k + 4 * q);
-    }
-    for (int p = 0; p < P; ++p) {
-      const __m512 s = _mm512_loadu_ps(ws + p * sstride + b * kCols);
-      for (int r = 0; r < R; ++r)
-        acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[r][p]),
-                                    _mm512_mul_ps(s, _mm512_set1_ps(sx[r * blocks + b])),
-                                    acc[r][p]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) _mm512_storeu_ps(f[r][p], acc[r][p]);
-}
-
 // x's rows as the screening takes them, with what the bound needs: kept by the calling thread
 // from one call to the next.
 struct ScreenX {
@@ -243,20 +199,85 @@ inline __mmask16 passing(__m512 hi, float lb, bool round_bf16, __mmask16 valid) 
   return valid & _mm512_cmp_ps_mask(hi, l, _CMP_GE_OQ);
 }
 
-// Row r's screened logits of columns [c, c + 16): LB's lanes, and the columns that pass.
-inline void take(Candidates& st, int64_t r, int64_t c, __m512 a, float dx, float xn,
-                 const float* wn, const float* dwn, int64_t n_valid, bool round_bf16) {
-  const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(dx), _mm512_loadu_ps(wn + c),
-                                       _mm512_mul_ps(_mm512_set1_ps(xn), _mm512_loadu_ps(dwn + c)));
-  const int64_t left = n_valid - c;
-  const __mmask16 valid = left >= kCols ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-  float* lanes = st.lanes.data() + r * kCols;
-  const __m512 lanes_v = _mm512_loadu_ps(lanes);
-  _mm512_storeu_ps(lanes, _mm512_mask_max_ps(lanes_v, valid, lanes_v, _mm512_sub_ps(a, bound)));
+// What the screening's tail needs of a tile: its columns' norms (at its first column), its
+// rows' bound factors and the thread's LB lanes and scalars (at its first row), and which
+// columns of each panel are below n_valid.
+struct TileBound {
+  const float* wn;
+  const float* dwn;
+  const float* dx;
+  const float* xn;
+  float* lanes;
+  const float* lb;
+  __mmask16 valid[2];
+  bool round_bf16;
+};
+
+// The screening logits a of R rows (x int8, `k` values a row; each block's scale sx and starting
+// sum xi, `blocks` a row) against P panels (the first at w, the next `pstride` bytes on; their
+// scales ws, the next `sstride` floats on); then, with their bound b, each row's LB lanes take
+// a - b, and a + b goes to hi [R][P][16] with the columns that pass the row's LB as it was in
+// pass [R][P] (take() looks again at those). Nothing but this in here, so that the
+// accumulators live in registers.
+template <int R, int P>
+__attribute__((noinline)) void screen(const int8_t* xq, int64_t k, const float* sx,
+                                      const int32_t* xi, int64_t blocks, const uint8_t* w,
+                                      int64_t pstride, const float* ws, int64_t sstride,
+                                      const TileBound& tb, float (*hi)[2][kCols],
+                                      __mmask16 (*pass)[2], const char* pf,
+                                      const char* pf_end, bool stream) {
+  // The tile's share of the next item's weights, a line or two every four values of k.
+  const int64_t steps = blocks * kQuads;
+  const int per_step = (pf_end - pf + 63) / 64 > steps ? 2 : 1;
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i c[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) c[r][p] = _mm512_set1_epi32(xi[r * blocks + b]);
+    const uint8_t* wb = w + b * kQuads * 4 * kCols;
+    const int8_t* xb = xq + b * kBlock;
+#pragma GCC unroll 8
+    for (int64_t q = 0; q < kQuads; ++q) {
+      for (int i = 0; i < per_step && pf < pf_end; ++i, pf += 64)
+        keel::prefetch_weights(pf, stream);
+      __m512i wv[P];
+      for (int p = 0; p < P; ++p)
+        wv[p] = _mm512_load_si512(wb + p * pstride + q * 4 * kCols);
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) dpbusd(c[r][p], wv[p], xb + r * k + 4 * q);
+    }
+    for (int p = 0; p < P; ++p) {
+      const __m512 s = _mm512_loadu_ps(ws + p * sstride + b * kCols);
+      for (int r = 0; r < R; ++r)
+        acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[r][p]),
+                                    _mm512_mul_ps(s, _mm512_set1_ps(sx[r * blocks + b])),
+                                    acc[r][p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const __m512 wn = _mm512_loadu_ps(tb.wn + p * kCols), dwn = _mm512_loadu_ps(tb.dwn + p * kCols);
+    for (int r = 0; r < R; ++r) {
+      const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(tb.dx[r]), wn,
+                                           _mm512_mul_ps(_mm512_set1_ps(tb.xn[r]), dwn));
+      float* lanes = tb.lanes + r * kCols;
+      const __m512 l = _mm512_loadu_ps(lanes);
+      _mm512_storeu_ps(lanes, _mm512_mask_max_ps(l, tb.valid[p], l, _mm512_sub_ps(acc[r][p], bound)));
+      const __m512 h = _mm512_add_ps(acc[r][p], bound);
+      _mm512_storeu_ps(hi[r][p], h);
+      pass[r][p] = passing(h, tb.lb[r], tb.round_bf16, tb.valid[p]);
+    }
+  }
+}
+
+// Row r's columns [c, c + 16) whose a + b (`hi`) passed the row's LB as the screening last saw
+// it: against the LB as it is now (its lanes have this panel's a - b), into the row's
+// candidates.
+inline void take(Candidates& st, int64_t r, int64_t c, __m512 hi, __mmask16 valid,
+                 bool round_bf16) {
   if (st.full[r]) return;
-  const __m512 hi = _mm512_add_ps(a, bound);
-  if (!passing(hi, st.lb[r], round_bf16, valid)) return;
-  const float lb = st.lb[r] = _mm512_reduce_max_ps(_mm512_loadu_ps(lanes));  // LB as it is now
+  const float lb = st.lb[r] = _mm512_reduce_max_ps(_mm512_loadu_ps(st.lanes.data() + r * kCols));
   const __mmask16 pass = passing(hi, lb, round_bf16, valid);
   if (!pass) return;
   int32_t& n = st.count[r];
@@ -402,19 +423,28 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor packed,
       [&](int64_t p, int np, int64_t r0, int rows, const char* pf0, const char* pf1) {
         const int64_t c0 = p * kCols;
         if (c0 >= n_valid) return;
-        float f[kMaxRows][2][kCols];
+        Candidates& st = thread_candidates();
+        auto valid = [&](int pp) -> __mmask16 {
+          const int64_t left = n_valid - (c0 + pp * kCols);
+          return left >= kCols ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+        };
+        const TileBound tb{wn + c0, dwn + c0, sxq.dx.data() + r0, sxq.xn.data() + r0,
+                           st.lanes.data() + r0 * kCols, st.lb.data() + r0, {valid(0), valid(1)},
+                           round_bf16};
+        float hi[kMaxRows][2][kCols];
+        __mmask16 pass[kMaxRows][2];
         const int8_t* xr = sxq.q.data() + r0 * k;
         const float* sr = sxq.scale.data() + r0 * blocks;
         const int32_t* ir = sxq.init.data() + r0 * blocks;
         const uint8_t* wp = w + p * panel_bytes;
         const float* sp = ws + p * panel_scales;
-#define KEEL_SCREEN(R)                                                                  \
-  if (np == 2)                                                                          \
-    screen<R, 2>(xr, k, sr, ir, blocks, wp, panel_bytes, sp, panel_scales, f, pf0, pf1, \
-                 stream);                                                               \
-  else                                                                                  \
-    screen<R, 1>(xr, k, sr, ir, blocks, wp, panel_bytes, sp, panel_scales, f, pf0, pf1, \
-                 stream);                                                               \
+#define KEEL_SCREEN(R)                                                                       \
+  if (np == 2)                                                                               \
+    screen<R, 2>(xr, k, sr, ir, blocks, wp, panel_bytes, sp, panel_scales, tb, hi, pass, pf0, \
+                 pf1, stream);                                                               \
+  else                                                                                       \
+    screen<R, 1>(xr, k, sr, ir, blocks, wp, panel_bytes, sp, panel_scales, tb, hi, pass, pf0, \
+                 pf1, stream);                                                               \
   break;
         switch (rows) {
           case 1: KEEL_SCREEN(1)
@@ -425,13 +455,12 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor packed,
           default: KEEL_SCREEN(6)
         }
 #undef KEEL_SCREEN
-        Candidates& st = thread_candidates();
         for (int r = 0; r < rows; ++r) {
-          const int64_t gr = r0 + r;
-          if (sxq.whole[gr]) continue;
-          for (int pp = 0; pp < np && c0 + pp * kCols < n_valid; ++pp)
-            take(st, gr, c0 + pp * kCols, _mm512_loadu_ps(f[r][pp]), sxq.dx[gr], sxq.xn[gr],
-                 wn, dwn, n_valid, round_bf16);
+          if (sxq.whole[r0 + r]) continue;
+          for (int pp = 0; pp < np; ++pp)
+            if (pass[r][pp])
+              take(st, r0 + r, c0 + pp * kCols, _mm512_loadu_ps(hi[r][pp]), valid(pp),
+                   round_bf16);
         }
       },
       [&] {

@@ -117,8 +117,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         pack_for_cpu_gemm(self, release_dense=not self.tied,
                           amx=self.amx_weight is None and self.tp_size == 1)
         # A greedy step's tokens by int8 screening and exact rescoring over the dense weight,
-        # which a tied head keeps anyway: at 64 rows ~0.75-0.8x the time of the head's own GEMM
-        # with its argmax, at one row ~0.5-0.75x (BENCHMARKS.md, sixty-eighth round).
+        # which a tied head keeps anyway: at 64 rows ~0.71x the time of the head's own GEMM with
+        # its argmax, at one row 0.43-0.56x (BENCHMARKS.md, sixty-eighth round).
         if (greedy_head_chosen() and self.tied and self.tp_size == 1 and self.quant is None
                 and w.shape[1] % 32 == 0 and w.dtype in (torch.float32, torch.bfloat16)):
             from keel.cpu_ops import get_cpu_ops

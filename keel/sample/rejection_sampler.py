@@ -65,10 +65,13 @@ def target_probs(logits: torch.Tensor, req_of_row: torch.Tensor, meta: SamplingM
     return logits.softmax(dim=-1)
 
 
-def rejection_sample(target_logits: torch.Tensor, spec: SpecDecodeMetadata,
-                     bonus_token_ids: torch.Tensor, meta: SamplingMetadata
+def rejection_sample(target_logits: torch.Tensor | None, spec: SpecDecodeMetadata,
+                     bonus_token_ids: torch.Tensor, meta: SamplingMetadata,
+                     target_argmax: torch.Tensor | None = None
                      ) -> tuple[list[list[int]], np.ndarray]:
-    """Returns the output tokens of every request row and how many drafts each accepted."""
+    """Returns the output tokens of every request row and how many drafts each accepted.
+    target_argmax: each target row's argmax, where the LM head took it without the logits
+    (an all-greedy batch: target_logits None)."""
     num_reqs = len(spec.num_draft_tokens)
     bonus = bonus_token_ids.tolist()
     num_draft = spec.num_draft_tokens
@@ -77,7 +80,8 @@ def rejection_sample(target_logits: torch.Tensor, spec: SpecDecodeMetadata,
         return [[b] for b in bonus], np.zeros(num_reqs, dtype=np.int64)
     req_of_row = torch.from_numpy(np.repeat(np.arange(num_reqs), num_draft))
     drafts = spec.draft_token_ids
-    argmax = target_logits.argmax(dim=-1)
+    argmax = target_logits.argmax(dim=-1) if target_argmax is None else target_argmax
+    assert target_logits is not None or meta.all_greedy, "random rows need the logits"
     accept = drafts == argmax  # greedy rule
     recovered = argmax.clone()
     if not meta.all_greedy:

@@ -382,7 +382,7 @@ class ModelRunner(SampleTokensMixin):
         sample_hidden_states = (hidden_states if output_rows is not None
                                 else hidden_states[logits_indices])
         greedy = None
-        if self._greedy_in_lm_head(spec_decode_metadata):
+        if self._greedy_in_lm_head():
             greedy = self.model.greedy_token_ids(sample_hidden_states)
         logits = (None if greedy is not None
                   else self.model.compute_logits(sample_hidden_states, float32=False))

@@ -9,7 +9,8 @@ unparks it), the persistent batch, the sampler, the pooler.
                                    sample -> drop rows still prefilling -> output
 
 A step whose every row takes its argmax (greedy, no logits processors, no logprobs, no
-drafts, no grammar in the batch) may have its tokens taken by the LM head itself, in its GEMM's
+grammar in the batch; with or without drafts, whose greedy rule only compares each draft with
+its target's argmax) may have its tokens taken by the LM head itself, in its GEMM's
 epilogue, without the [num_reqs, vocab] logits (`_greedy_in_lm_head`; the LM head decides
 whether it can: ParallelLMHead.greedy_token_ids). The same tokens as the sampler's argmax of
 those logits. `KEEL_GREEDY_LM_HEAD=0` turns it off.
@@ -55,13 +56,14 @@ def greedy_lm_head_allowed() -> bool:
 
 
 class SampleTokensMixin:
-    def _greedy_in_lm_head(self, spec_decode_metadata) -> bool:
+    def _greedy_in_lm_head(self) -> bool:
         """Whether this step's sampling is each row's argmax of the logits and nothing else,
-        so that the LM head may take the tokens itself (model.greedy_token_ids)."""
+        so that the LM head may take the tokens itself (model.greedy_token_ids). With drafts
+        too: the greedy rule accepts a draft while it equals the target's argmax, and the
+        bonus token is its row's argmax (rejection_sampler.py)."""
         meta = self.input_batch.sampling_metadata
-        return (spec_decode_metadata is None and meta.all_greedy and meta.no_processing
-                and meta.max_num_logprobs is None and not self.input_batch.structured_reqs
-                and self._greedy_lm_head)
+        return (meta.all_greedy and meta.no_processing and meta.max_num_logprobs is None
+                and not self.input_batch.structured_reqs and self._greedy_lm_head)
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, grammar_output: GrammarOutput) -> None:
         """Mask the logits of the constrained rows (keel/worker/grammar_bitmask.py)."""
@@ -85,11 +87,16 @@ class SampleTokensMixin:
             # The scheduler sends a grammar only for a structured request, which keeps the LM
             # head from taking the tokens; should one come anyway, the logits are made here.
             logits = self.model.compute_logits(state.sample_hidden_states, float32=False)
-        if spec is not None:
+        target_logits = target_argmax = None
+        greedy_ids = state.greedy_token_ids
+        if spec is not None and logits is not None:
             # One row per request for the Sampler (the bonus position: all a request without
             # drafts has); the draft targets go to the rejection sampler.
             target_logits = logits[spec.target_logits_indices]
             logits = logits[spec.bonus_logits_indices]
+        elif spec is not None:  # the LM head's own argmax of every row, targets and bonus
+            target_argmax = greedy_ids[spec.target_logits_indices]
+            greedy_ids = greedy_ids[spec.bonus_logits_indices]
         batch = self.input_batch
         num_reqs = batch.num_reqs
         discard = self.discard_request_mask.np[:num_reqs]
@@ -111,8 +118,7 @@ class SampleTokensMixin:
             kept = {row: g for row, g in meta.generators.items() if not discard[row]}
             meta = dataclasses.replace(meta, generators=kept)
         if logits is None:  # the LM head's own argmax (execute_model)
-            sampler_output = SamplerOutput(sampled_token_ids=state.greedy_token_ids,
-                                           logprobs=None)
+            sampler_output = SamplerOutput(sampled_token_ids=greedy_ids, logprobs=None)
         else:
             sampler_output = self.sampler(logits, meta)
         kept_rows = np.flatnonzero(~discard)
@@ -127,7 +133,8 @@ class SampleTokensMixin:
                 sampled_token_ids[row] = [token]
         else:
             tokens, num_accepted = rejection_sample(target_logits, spec,
-                                                    sampler_output.sampled_token_ids.cpu(), meta)
+                                                    sampler_output.sampled_token_ids.cpu(), meta,
+                                                    target_argmax)
             append_token_lists(batch, kept_rows, tokens)
             for row in kept_rows.tolist():
                 self.requests[req_ids[row]].output_token_ids.extend(tokens[row])

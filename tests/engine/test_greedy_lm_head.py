@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 REAL_GREEDY, REAL_LOGITS = ParallelLMHead.greedy_token_ids, ParallelLMHead.compute_logits
 
 
-def generate(folder, monkeypatch, on: bool, params, dtype="bfloat16"):
+def generate(folder, monkeypatch, on: bool, params, dtype="bfloat16", **engine):
     """(token ids per request, LM-head argmax calls that took the tokens, logits calls)."""
     monkeypatch.setenv("KEEL_GREEDY_LM_HEAD", "1" if on else "0")
     # Decode-sized bfloat16 passes on keel's AMX GEMM where the CPU has it (the engine measures
@@ -43,7 +43,7 @@ def generate(folder, monkeypatch, on: bool, params, dtype="bfloat16"):
 
     monkeypatch.setattr(ParallelLMHead, "greedy_token_ids", greedy)
     monkeypatch.setattr(ParallelLMHead, "compute_logits", logits)
-    llm = LLM(folder, dtype=dtype, kv_cache_memory_gib=0.0625)
+    llm = LLM(folder, dtype=dtype, kv_cache_memory_gib=0.0625, **engine)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     del llm
     return [list(o.outputs[0].token_ids) for o in outs], calls
@@ -81,6 +81,40 @@ def test_auto_on_int16_products_takes_the_tokens_in_the_head(hf_model_dir, monke
     if gemm_choice.low_precision_kind() == "i16":
         assert on_calls["head"] >= 12 and on_calls["logits"] == 0, on_calls
     else:  # fp16_gemm (no argmax epilogue) or no low-precision GEMM: the logits as before
+        assert on_calls == off_calls
+
+
+def test_steps_with_drafts_take_the_targets_argmax_from_the_head(hf_model_dir, monkeypatch):
+    """n-gram drafts, every request greedy: the greedy rule compares each draft with its
+    target's argmax, so the head takes every row's token (targets and bonus) and no logits are
+    made; the tokens are the ones the logits give."""
+    folder = hf_model_dir("llama")
+    prompts_repeat = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    drafts = dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                      "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    from keel.worker import sample_step
+
+    verified = {"argmax": 0, "logits": 0}  # steps with drafts, by what the targets came as
+
+    def rejection(target_logits, spec, bonus, meta, target_argmax=None):
+        verified["logits" if target_argmax is None else "argmax"] += int(
+            spec.num_draft_tokens.sum() > 0)
+        return real_rejection(target_logits, spec, bonus, meta, target_argmax)
+
+    real_rejection = sample_step.rejection_sample
+    monkeypatch.setattr(sample_step, "rejection_sample", rejection)
+    on, on_calls = generate(folder, monkeypatch, True, prompts_repeat, **drafts)
+    on_verified = dict(verified)
+    off, off_calls = generate(folder, monkeypatch, False, prompts_repeat, **drafts)
+    assert verified["logits"] > 0  # drafts were proposed and checked
+    plain, _ = generate(folder, monkeypatch, True, prompts_repeat)
+    assert on == off == plain
+    assert off_calls["head"] == 0 and off_calls["logits"] > 0
+    ops = get_cpu_ops()
+    if ops is not None and ops.amx_gemm_dense_available():
+        assert on_calls["head"] > 0 and on_calls["logits"] == 0, on_calls
+        assert on_verified["argmax"] > 0 and on_verified["logits"] == 0, on_verified
+    else:
         assert on_calls == off_calls
 
 

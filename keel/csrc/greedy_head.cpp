@@ -165,17 +165,20 @@ struct Candidates {
   std::vector<float> lb;      // [M]
   std::vector<int32_t> count;  // [M]
   std::vector<uint8_t> full;  // [M]
-  std::vector<float> hi;      // [M, cap]
-  std::vector<int32_t> col;   // [M, cap]
+  // Per row, grown as its candidates need (16 past the count, for a whole-vector store) and
+  // kept from one call to the next: most rows hold a few dozen, and a verify step with drafts
+  // has (1 + k) rows per request, so room for `cap` on every row (32 KB) would cost tens of MB.
+  std::vector<std::vector<float>> hi;
+  std::vector<std::vector<int32_t>> col;
   void reset(int64_t m, int64_t c) {
     cap = c;
     lanes.assign(m * kCols, -INFINITY);
     lb.assign(m, -INFINITY);
     count.assign(m, 0);
     full.assign(m, 0);
-    if (static_cast<int64_t>(hi.size()) < m * c) {
-      hi.resize(m * c);
-      col.resize(m * c);
+    if (static_cast<int64_t>(hi.size()) < m) {
+      hi.resize(m);
+      col.resize(m);
     }
   }
 };
@@ -281,8 +284,10 @@ inline void take(Candidates& st, int64_t r, int64_t c, __m512 hi, __mmask16 vali
   const __mmask16 pass = passing(hi, lb, round_bf16, valid);
   if (!pass) return;
   int32_t& n = st.count[r];
-  float* rh = st.hi.data() + r * st.cap;
-  int32_t* rc = st.col.data() + r * st.cap;
+  std::vector<float>& row_hi = st.hi[r];
+  std::vector<int32_t>& row_col = st.col[r];
+  float* rh = row_hi.data();
+  int32_t* rc = row_col.data();
   if (n + kCols > st.cap) {  // drop what the current LB rules out
     int32_t kept = 0;
     for (int32_t i = 0; i < n; ++i)
@@ -299,6 +304,13 @@ inline void take(Candidates& st, int64_t r, int64_t c, __m512 hi, __mmask16 vali
   const __m512i cols = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(c)),
                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
                                                           12, 13, 14, 15));
+  if (static_cast<int64_t>(row_hi.size()) < n + kCols) {
+    const size_t size = std::max<size_t>(2 * row_hi.size(), static_cast<size_t>(n + kCols));
+    row_hi.resize(size);
+    row_col.resize(size);
+    rh = row_hi.data();
+    rc = row_col.data();
+  }
   // Compressed in registers and stored whole (room for 16 is kept): a compressing store to
   // memory is microcoded on Zen 4, and it cost a fifth of the call.
   _mm512_storeu_ps(rh + n, _mm512_maskz_compress_ps(pass, hi));
@@ -507,8 +519,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor packed,
       }
       cols.clear();
       for (const Candidates* st : states) {
-        const float* rh = st->hi.data() + r * st->cap;
-        const int32_t* rc = st->col.data() + r * st->cap;
+        const float* rh = st->hi[r].data();
+        const int32_t* rc = st->col[r].data();
         for (int32_t i = 0; i < st->count[r]; ++i)
           if (widened(rh[i], lb, round_bf16) >= lb) cols.push_back(rc[i]);
       }

@@ -126,9 +126,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.greedy_screen = get_cpu_ops().greedy_head_pack(w)
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """compute_logits(hidden).argmax(-1) [n] int64 without the logits, where the head runs
-        on keel's AMX GEMM for these rows (the argmax in its epilogue, over the same bfloat16
-        values); None elsewhere, for the caller to compute the logits."""
+        """compute_logits(hidden).argmax(-1) [n] int64 without the logits: from greedy_head
+        where the head has its screening copy (the argmax of the float32 logits, or of their
+        bfloat16 rounding), else where the head runs on keel's AMX GEMM or i16_gemm for these
+        rows (the argmax in its epilogue, over the same values); None elsewhere, for the
+        caller to compute the logits."""
         if self.greedy_screen is not None and hidden.dim() == 2 and hidden.shape[0] > 0 \
                 and hidden.dtype in (torch.float32, torch.bfloat16):
             # The argmax of the float32 logits (bfloat16-rounded for a bfloat16 pass, as its

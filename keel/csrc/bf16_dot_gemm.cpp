@@ -183,22 +183,10 @@ void tile_rows(int rows, const c10::BFloat16* x, int64_t K, const c10::BFloat16*
                int64_t ldo, const char* pf, const char* pf_end, bool stream,
                const TileArgmax* argmax) {
   TORCH_CHECK(rows >= 1 && rows <= MaxR, "bf16_dot_gemm: a tile of ", rows, " rows");
-  switch (rows) {
-#define KEEL_BF16_TILE(R)                                                                    \
-  case R:                                                                                    \
-    if constexpr (R <= MaxR)                                                                 \
-      tile<R, P, Silu>(x, K, w, pair_stride, bias, c0, cols, out, ldo, pf, pf_end, stream,   \
-                       argmax);                                                              \
-    break;
-    KEEL_BF16_TILE(10) KEEL_BF16_TILE(9) KEEL_BF16_TILE(8) KEEL_BF16_TILE(7)
-    KEEL_BF16_TILE(6) KEEL_BF16_TILE(5) KEEL_BF16_TILE(4) KEEL_BF16_TILE(3)
-    KEEL_BF16_TILE(2)
-#undef KEEL_BF16_TILE
-    default:
-      tile<1, P, Silu>(x, K, w, pair_stride, bias, c0, cols, out, ldo, pf, pf_end, stream,
-                       argmax);
-      break;
-  }
+  keel::with_rows<MaxR>(rows, [&](auto r) {
+    tile<decltype(r)::value, P, Silu>(x, K, w, pair_stride, bias, c0, cols, out, ldo, pf, pf_end,
+                                      stream, argmax);
+  });
 }
 
 // Every (block of kBlockRows rows, G panels: one pair, or two) item; see the file's comment.

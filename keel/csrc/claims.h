@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 namespace keel {
 
@@ -135,6 +136,19 @@ __attribute__((always_inline)) inline void run_panel_groups(int64_t m, int64_t p
     }
     end_hook();
   });
+}
+
+// f(std::integral_constant<int, R>{}) for R = rows, a runtime count in [1, MaxR]: a GEMM's
+// register tiles are templates on their rows (i16_gemm, bf16_dot_gemm, greedy_head), and
+// run_panel_groups hands each tile its row count at run time. The caller checks the range.
+template <int MaxR, typename F>
+__attribute__((always_inline)) inline void with_rows(int rows, const F& f) {
+  if constexpr (MaxR > 1) {
+    if (rows == MaxR) return f(std::integral_constant<int, MaxR>{});
+    with_rows<MaxR - 1>(rows, f);
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
 }
 
 }  // namespace keel

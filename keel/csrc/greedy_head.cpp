@@ -450,23 +450,15 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor packed,
         const int32_t* ir = sxq.init.data() + r0 * blocks;
         const uint8_t* wp = w + p * panel_bytes;
         const float* sp = ws + p * panel_scales;
-#define KEEL_SCREEN(R)                                                                       \
-  if (np == 2)                                                                               \
-    screen<R, 2>(xr, k, sr, ir, blocks, wp, panel_bytes, sp, panel_scales, tb, hi, pass, pf0, \
-                 pf1, stream);                                                               \
-  else                                                                                       \
-    screen<R, 1>(xr, k, sr, ir, blocks, wp, panel_bytes, sp, panel_scales, tb, hi, pass, pf0, \
-                 pf1, stream);                                                               \
-  break;
-        switch (rows) {
-          case 1: KEEL_SCREEN(1)
-          case 2: KEEL_SCREEN(2)
-          case 3: KEEL_SCREEN(3)
-          case 4: KEEL_SCREEN(4)
-          case 5: KEEL_SCREEN(5)
-          default: KEEL_SCREEN(6)
-        }
-#undef KEEL_SCREEN
+        keel::with_rows<kMaxRows>(rows, [&](auto r) {
+          constexpr int R = decltype(r)::value;
+          if (np == 2)
+            screen<R, 2>(xr, k, sr, ir, blocks, wp, panel_bytes, sp, panel_scales, tb, hi, pass,
+                         pf0, pf1, stream);
+          else
+            screen<R, 1>(xr, k, sr, ir, blocks, wp, panel_bytes, sp, panel_scales, tb, hi, pass,
+                         pf0, pf1, stream);
+        });
         for (int r = 0; r < rows; ++r) {
           if (sxq.whole[r0 + r]) continue;
           for (int pp = 0; pp < np; ++pp)

@@ -312,21 +312,10 @@ void tile_rows(int rows, const int16_t* xq, int64_t ldx, const float* sx, int64_
                const TileArgmax* argmax) {
   // (run_panel_groups splits rows into tiles of at most MaxR: a larger one would be skipped)
   TORCH_CHECK(rows >= 1 && rows <= MaxR, "i16_gemm: a tile of ", rows, " rows");
-  switch (rows) {
-#define KEEL_I16_TILE(R)                                                                      \
-  case R:                                                                                     \
-    if constexpr (R <= MaxR)                                                                  \
-      tile<R, P, Silu>(xq, ldx, sx, blocks, w, s, pairs, bias, cols, out, ldo, pf, pf_end,    \
-                       stream, argmax);                                                       \
-    break;
-    KEEL_I16_TILE(10) KEEL_I16_TILE(9) KEEL_I16_TILE(8) KEEL_I16_TILE(7)
-    KEEL_I16_TILE(6) KEEL_I16_TILE(5) KEEL_I16_TILE(4) KEEL_I16_TILE(3) KEEL_I16_TILE(2)
-#undef KEEL_I16_TILE
-    default:
-      tile<1, P, Silu>(xq, ldx, sx, blocks, w, s, pairs, bias, cols, out, ldo, pf, pf_end,
-                       stream, argmax);
-      break;
-  }
+  keel::with_rows<MaxR>(rows, [&](auto r) {
+    tile<decltype(r)::value, P, Silu>(xq, ldx, sx, blocks, w, s, pairs, bias, cols, out, ldo, pf,
+                                      pf_end, stream, argmax);
+  });
 }
 
 // One block of a row: the scale, and q = round-half-even(v * (kQ / amax)) as quantize_block

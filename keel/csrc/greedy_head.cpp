@@ -481,7 +481,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(at::Tensor x, at::Tensor packed,
   const char* wbase = static_cast<const char*>(weight.data_ptr());
   const int64_t wrow = k * weight.element_size();
   at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
-    std::vector<int32_t> cols;
+    static thread_local std::vector<int32_t> cols;  // kept from one call to the next
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xs + r * k;
       auto logit = [&](int64_t c) {

@@ -80,8 +80,9 @@ def rejection_sample(target_logits: torch.Tensor | None, spec: SpecDecodeMetadat
         return [[b] for b in bonus], np.zeros(num_reqs, dtype=np.int64)
     req_of_row = torch.from_numpy(np.repeat(np.arange(num_reqs), num_draft))
     drafts = spec.draft_token_ids
+    assert target_logits is not None or (meta.all_greedy and target_argmax is not None), \
+        "rows that sample need the targets' logits"
     argmax = target_logits.argmax(dim=-1) if target_argmax is None else target_argmax
-    assert target_logits is not None or meta.all_greedy, "random rows need the logits"
     accept = drafts == argmax  # greedy rule
     recovered = argmax.clone()
     if not meta.all_greedy:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keel.cpu_ops import get_cpu_ops
 from keel.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -70,8 +71,6 @@ def greedy_head_chosen() -> bool:
         raise ValueError(f"KEEL_GREEDY_HEAD must be 0 or 1, got {mode!r}.")
     if mode == "0":
         return False
-    from keel.cpu_ops import get_cpu_ops
-
     ops = get_cpu_ops()
     return ops is not None and ops.greedy_head_available() and not ops.amx_gemm_available()
 
@@ -121,8 +120,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         # its argmax, at one row 0.43-0.56x (BENCHMARKS.md, sixty-eighth round).
         if (greedy_head_chosen() and self.tied and self.tp_size == 1 and self.quant is None
                 and w.shape[1] % 32 == 0 and w.dtype in (torch.float32, torch.bfloat16)):
-            from keel.cpu_ops import get_cpu_ops
-
             self.greedy_screen = get_cpu_ops().greedy_head_pack(w)
 
     def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -135,8 +132,6 @@ class ParallelLMHead(VocabParallelEmbedding):
                 and hidden.dtype in (torch.float32, torch.bfloat16):
             # The argmax of the float32 logits (bfloat16-rounded for a bfloat16 pass, as its
             # GEMM rounds them), ties to the first, as torch's argmax.
-            from keel.cpu_ops import get_cpu_ops
-
             return get_cpu_ops().greedy_head(
                 hidden, *self.greedy_screen, self.weight, self.num_embeddings,
                 round_bf16=hidden.dtype == torch.bfloat16, cap=_GREEDY_HEAD_CAP)[0]

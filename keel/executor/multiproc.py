@@ -37,6 +37,8 @@ from keel.executor.abstract import Executor
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100  # how often a waiting call checks whether a worker died
+# How long a worker's error waits for a dead peer to show (_fail_if_a_worker_died).
+_DEATH_GRACE_S = 0.5
 
 
 class ResponseStatus(enum.IntEnum):
@@ -163,6 +165,7 @@ class MultiprocExecutor(Executor):
             for sock in response_socks:
                 status, result = self._receive(sock, timeout)
                 if status != ResponseStatus.SUCCESS:
+                    self._fail_if_a_worker_died()
                     raise RuntimeError(
                         f"Worker failed with error '{result}', please check the"
                         " stack trace above for the root cause"
@@ -172,6 +175,16 @@ class MultiprocExecutor(Executor):
 
         future = FutureWrapper(self._pending, get_response)
         return future if non_block else future.result()
+
+    def _fail_if_a_worker_died(self) -> None:
+        """A worker's error can be a peer's death seen first through the collective (its
+        connection reset before the monitor thread wakes on the dead process): wait up to
+        _DEATH_GRACE_S for a worker to have exited and mark the executor failed as the monitor
+        does, so that the caller sees the same state whichever noticed first. An error with
+        every worker alive (a call that raised) leaves the executor serving."""
+        dead = wait_for_processes([p.sentinel for p in self.processes], timeout=_DEATH_GRACE_S)
+        if dead and not self._stopping.is_set():
+            _mark_failed(self, next(p for p in self.processes if p.sentinel == dead[0]))
 
     def _send(self, sock, message: bytes) -> None:
         """Send without blocking forever: a worker that is not there (yet, or any more)
@@ -209,7 +222,13 @@ def _monitor_workers(executor_ref, processes, stopping: threading.Event) -> None
     executor = executor_ref()
     if stopping.is_set() or executor is None:
         return
-    proc = sentinels[dead[0]]
+    _mark_failed(executor, sentinels[dead[0]])
+
+
+def _mark_failed(executor, proc) -> None:
+    """A worker process died: the executor refuses every later call (once, logged once)."""
+    if executor.is_failed:
+        return
     executor._death = f"worker process {proc.name} died (exit code {proc.exitcode})"
     executor.is_failed = True
     logger.error("Worker process %s (pid %s) died with exit code %s; the executor has failed.",

@@ -232,3 +232,33 @@ def test_float16_gemms_with_tensor_parallelism(hf_model_dir, monkeypatch):
     for (tok1, lp1), (tok2, lp2) in zip(runs[1], runs[2]):
         assert tok1 == tok2
         assert max(abs(a - b) for a, b in zip(lp1, lp2)) < 0.05
+
+
+def test_a_workers_error_with_a_dead_peer_marks_the_executor_failed():
+    """A surviving worker can report its collective's error (the dead peer's connection reset)
+    before the monitor thread sees the death: the error path itself then marks the executor
+    failed, so the caller sees one state whichever noticed first. With every worker alive, an
+    error leaves it serving."""
+    import multiprocessing
+    import threading
+    import types
+
+    from keel.executor.multiproc import MultiprocExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    done = ctx.Process(target=time.sleep, args=(0,), name="keel-worker-1")
+    alive = ctx.Process(target=time.sleep, args=(30,), name="keel-worker-0")
+    done.start()
+    alive.start()
+    try:
+        done.join()
+        fake = types.SimpleNamespace(processes=[alive], is_failed=False,
+                                     _stopping=threading.Event())
+        MultiprocExecutor._fail_if_a_worker_died(fake)  # every worker alive
+        assert not fake.is_failed
+        fake.processes = [alive, done]
+        MultiprocExecutor._fail_if_a_worker_died(fake)
+        assert fake.is_failed and "keel-worker-1" in fake._death
+    finally:
+        alive.kill()
+        alive.join()
